@@ -1,0 +1,545 @@
+"""The sending side's table of finished prefills whose blocks are held for readers.
+
+When P finishes a prefill, the connector keeps the request's KV blocks and calls
+``GrantTable.issue``; the returned ``Grant.token`` travels to D in
+``kv_transfer_params``. P's transfer agent checks every incoming read against the
+table, counts readers as they report, and the table releases the grant exactly
+once, for one of three reasons:
+
+    done     every expected reader (count from topology) reported done or failed
+    expired  the lease ran out first (``expire()``, driven by the agent's timer)
+    revoked  the request was aborted on P (``revoke()``)
+
+Each release is queued once; the connector takes it from ``drain_released()`` and
+frees the blocks. A read in flight pins its grant (``begin_read``/``end_read``):
+a release that happens meanwhile is deferred until the last pinned read ends, so
+P never frees blocks that UCX is still sending from.
+
+Lifecycle of one grant::
+
+    issue ──> live ──(all readers reported)──> done    ─┐
+               │  ──(now >= expires_at)──────> expired ─┼─(no reads in flight)─> Release
+               │  ──(revoke)─────────────────> revoked ─┘      in drain_released()
+               └─ renew() moves expires_at later (never past now + max_lease_s)
+
+Times are the table's ``Clock`` (monotonic, local to this process). Tell a peer
+how long it has (``expires_at - clock.now()``), never the ``expires_at`` value.
+
+Tokens are ``secrets.token_urlsafe(16)``: 128 random bits as a 22-character
+JSON-safe ``str``. Lookup is a dict lookup by token. That does not leak a token
+through timing: ``str`` hashing is SipHash with a per-process random key, so the
+bucket a guess lands in tells nothing about live tokens, and string equality runs
+only after a full 64-bit hash match, which a wrong guess practically never
+reaches. Guessing a live token succeeds with probability about 2**-128 per try.
+
+Thread safety: every public method takes one internal lock and does no I/O and
+no callbacks under it, so the agent's event loop thread and the connector's
+thread may both call the table.
+
+Example::
+
+    from kvbridge.transfer.clock import MonotonicClock
+    from kvbridge.transfer.grants import GrantTable
+
+    table = GrantTable(MonotonicClock(), default_lease_s=30.0, max_lease_s=120.0)
+    grant = table.issue("req-1", block_ids=[4, 9, 2], num_expected_readers=2)
+    # ... grant.token goes to D; on P, for each incoming read:
+    table.begin_read(grant.token, [4, 9])        # raises GrantError subclasses
+    ...                                          # pack and send the blocks
+    table.end_read(grant.token)
+    table.reader_done(grant.token, "engine-d:0")
+    table.reader_done(grant.token, "engine-d:1")  # -> True, release queued
+    for release in table.drain_released():        # connector frees the blocks
+        print(release.request_id, release.block_ids, release.reason)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from kvbridge.errors import ConfigError, IntegrityError, KVBridgeError
+from kvbridge.transfer.clock import Clock
+
+ReleaseReason = Literal["done", "expired", "revoked"]
+
+TOKEN_NBYTES = 16
+TOKEN_LEN = len(secrets.token_urlsafe(TOKEN_NBYTES))  # 22 characters
+_NUM_IDS_IN_MESSAGE = 8
+
+
+class GrantError(KVBridgeError):
+    """A grant operation was refused; the table is unchanged."""
+
+
+class UnknownGrantError(GrantError):
+    """No live grant has this token (never issued, or already released)."""
+
+
+class ExpiredGrantError(GrantError):
+    """The grant's lease ran out."""
+
+
+class BlockNotGrantedError(GrantError):
+    """A read named block ids that the grant does not hold."""
+
+
+class DuplicateGrantError(GrantError):
+    """A live grant already exists for this request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A snapshot of one grant. ``renew`` makes a new snapshot; this one never changes."""
+
+    token: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float
+    num_expected_readers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Blocks the owner may free now, and why."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: ReleaseReason
+
+
+@dataclass(frozen=True, slots=True)
+class GrantStats:
+    """Counters since the table was created."""
+
+    num_issued: int
+    num_released_done: int
+    num_released_expired: int
+    num_released_revoked: int
+    num_readers_done: int
+    num_readers_failed: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    grant: Grant
+    block_set: frozenset[int]
+    reader_failed: dict[str, bool] = field(default_factory=dict)  # reader id -> failed?
+    num_active_reads: int = 0
+    closing: ReleaseReason | None = None  # set once; released when no reads are in flight
+
+
+def _short(token: str) -> str:
+    # Tokens are secrets and peers send arbitrary strings: log only a short prefix.
+    return repr(token[:6] + "...")
+
+
+def _check_lease(lease_s: float) -> None:
+    if not math.isfinite(lease_s) or lease_s <= 0:
+        raise ConfigError(f"lease_s must be finite and > 0, got {lease_s}")
+
+
+class GrantTable:
+    """Grants of held blocks, with leases and reader counting.
+
+    Args:
+        clock: time source (monotonic seconds).
+        default_lease_s: lease of ``issue`` when none is given.
+        max_lease_s: no grant ever expires later than ``now + max_lease_s``.
+        num_tombstones: how many released tokens to remember, so that a late
+            read of an expired grant gets ``ExpiredGrantError`` and a late done
+            report returns ``False`` instead of raising.
+
+    Raises:
+        ConfigError: a lease is not finite and > 0, ``max_lease_s <
+            default_lease_s``, or ``num_tombstones < 0``.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        default_lease_s: float,
+        max_lease_s: float,
+        *,
+        num_tombstones: int = 4096,
+    ) -> None:
+        _check_lease(default_lease_s)
+        _check_lease(max_lease_s)
+        if max_lease_s < default_lease_s:
+            raise ConfigError(
+                f"max_lease_s ({max_lease_s}) < default_lease_s ({default_lease_s})"
+            )
+        if num_tombstones < 0:
+            raise ConfigError(f"num_tombstones must be >= 0, got {num_tombstones}")
+        self._clock = clock
+        self._default_lease_s = default_lease_s
+        self._max_lease_s = max_lease_s
+        self._num_tombstones = num_tombstones
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}  # token -> entry
+        self._token_by_request: dict[str, str] = {}
+        # (expires_at, token); stale items (renewed/released) are skipped lazily.
+        self._expiry_heap: list[tuple[float, str]] = []
+        self._released: list[Release] = []
+        self._tombstones: OrderedDict[str, ReleaseReason] = OrderedDict()
+        self._num_held_blocks = 0
+        self._num_issued = 0
+        self._num_released = {"done": 0, "expired": 0, "revoked": 0}
+        self._num_readers = {False: 0, True: 0}  # failed? -> count
+
+    # ---------------------------------------------------------------- issuing
+
+    def issue(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_expected_readers: int,
+        lease_s: float | None = None,
+    ) -> Grant:
+        """Hold ``block_ids`` for ``request_id`` under a new random token.
+
+        Args:
+            request_id: the request on P; at most one live grant per request.
+            block_ids: distinct block ids >= 0 (may be empty).
+            num_expected_readers: distinct readers that must report before release.
+            lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
+
+        Returns:
+            The new grant (``token`` is a 22-character url-safe ``str``).
+
+        Raises:
+            ConfigError: empty request id, ``num_expected_readers < 1``, a bad lease,
+                or negative / repeated block ids.
+            TypeError: a block id is not an integer.
+            DuplicateGrantError: ``request_id`` already has a live grant.
+        """
+        if not request_id:
+            raise ConfigError("request_id must be a non-empty string")
+        if num_expected_readers < 1:
+            raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
+        lease = self._default_lease_s if lease_s is None else lease_s
+        _check_lease(lease)
+        ids = tuple(operator.index(b) for b in block_ids)
+        negative = [b for b in ids if b < 0]
+        if negative:
+            raise ConfigError(f"block ids must be >= 0, got {negative[:_NUM_IDS_IN_MESSAGE]}")
+        block_set = frozenset(ids)
+        if len(block_set) != len(ids):
+            raise ConfigError(f"{len(ids) - len(block_set)} repeated block ids in {request_id!r}")
+        with self._lock:
+            if request_id in self._token_by_request:
+                raise DuplicateGrantError(f"request {request_id!r} already has a live grant")
+            token = secrets.token_urlsafe(TOKEN_NBYTES)
+            while token in self._entries or token in self._tombstones:  # ~never
+                token = secrets.token_urlsafe(TOKEN_NBYTES)
+            expires_at = self._clock.now() + min(lease, self._max_lease_s)
+            grant = Grant(token, request_id, ids, expires_at, num_expected_readers)
+            self._entries[token] = _Entry(grant, block_set)
+            self._token_by_request[request_id] = token
+            self._push_expiry(expires_at, token)
+            self._num_held_blocks += len(ids)
+            self._num_issued += 1
+            return grant
+
+    # ---------------------------------------------------------------- reading
+
+    def validate_read(self, token: str, block_ids: Sequence[int]) -> Grant:
+        """Check that a read of ``block_ids`` under ``token`` is allowed now.
+
+        Does not pin the grant; use ``begin_read`` when the read will follow.
+
+        Returns:
+            The grant's current snapshot.
+
+        Raises:
+            UnknownGrantError: no live grant has this token (or it was released).
+            ExpiredGrantError: the lease ran out (even if ``expire()`` has not run).
+            BlockNotGrantedError: some ids are not in the grant; the message lists a few.
+        """
+        with self._lock:
+            return self._check_read(token, block_ids).grant
+
+    def begin_read(self, token: str, block_ids: Sequence[int]) -> Grant:
+        """Validate like ``validate_read``, then pin the grant until ``end_read``.
+
+        While pinned, a release (done, expired or revoked) is decided but
+        deferred: the blocks stay held until the last pinned read ends.
+
+        Raises:
+            The errors of ``validate_read``; the grant is then not pinned.
+        """
+        with self._lock:
+            entry = self._check_read(token, block_ids)
+            entry.num_active_reads += 1
+            return entry.grant
+
+    def end_read(self, token: str) -> None:
+        """Unpin one ``begin_read``; queue a deferred release if this was the last.
+
+        Raises:
+            GrantError: no ``begin_read`` of this token is outstanding.
+        """
+        with self._lock:
+            entry = self._entries.get(token)
+            if entry is None or entry.num_active_reads == 0:
+                raise GrantError(f"end_read of grant {_short(token)} without begin_read")
+            entry.num_active_reads -= 1
+            if entry.closing is not None and entry.num_active_reads == 0:
+                self._release(entry, entry.closing)
+
+    def renew(self, token: str, lease_s: float) -> float:
+        """Extend a live grant's lease to ``now + lease_s`` (never shortens it).
+
+        Returns:
+            The new ``expires_at``, at most ``now + max_lease_s``.
+
+        Raises:
+            ConfigError: ``lease_s`` is not finite and > 0.
+            UnknownGrantError, ExpiredGrantError: as for ``validate_read``.
+        """
+        _check_lease(lease_s)
+        with self._lock:
+            now = self._clock.now()
+            entry = self._live_entry(token, now)
+            expires_at = max(entry.grant.expires_at, now + min(lease_s, self._max_lease_s))
+            if expires_at != entry.grant.expires_at:
+                entry.grant = replace(entry.grant, expires_at=expires_at)
+                self._push_expiry(expires_at, token)
+            return expires_at
+
+    # ---------------------------------------------------------------- releasing
+
+    def reader_done(self, token: str, reader_id: str) -> bool:
+        """Record that reader ``reader_id`` (e.g. ``"engine-d:1"``) finished.
+
+        Repeated reports from one reader count once. Reports are accepted even
+        after the lease ran out (they only bring the release closer).
+
+        Returns:
+            True exactly once per grant: on the report that completes the count
+            of distinct readers. False otherwise, also for reports about a grant
+            that was already released (if still remembered).
+
+        Raises:
+            ConfigError: empty ``reader_id``.
+            UnknownGrantError: the token was never issued (or is long forgotten).
+        """
+        return self._report(token, reader_id, failed=False)
+
+    def reader_failed(self, token: str, reader_id: str) -> bool:
+        """Like ``reader_done``, for a reader that gave up; counted in ``stats()``."""
+        return self._report(token, reader_id, failed=True)
+
+    def expire(self, now: float | None = None) -> list[Release]:
+        """Release every grant whose lease ran out by ``now`` (default: the clock).
+
+        Grants with reads in flight are marked expired and released by their
+        last ``end_read``.
+
+        Returns:
+            The releases this call queued (they also appear in ``drain_released``).
+        """
+        with self._lock:
+            now = self._clock.now() if now is None else now
+            expired: list[Release] = []
+            while self._expiry_heap and self._expiry_heap[0][0] <= now:
+                expires_at, token = heapq.heappop(self._expiry_heap)
+                entry = self._entries.get(token)
+                if entry is None or entry.closing is not None:
+                    continue
+                if entry.grant.expires_at != expires_at:
+                    continue  # renewed; a later heap item stands for it
+                entry.closing = "expired"
+                if entry.num_active_reads == 0:
+                    expired.append(self._release(entry, "expired"))
+            return expired
+
+    def revoke(self, request_id: str) -> bool:
+        """Release the request's grant now (e.g. the request was aborted on P).
+
+        Returns:
+            True if this call decided the release; False if the request has no
+            live grant or its release was already decided.
+        """
+        with self._lock:
+            token = self._token_by_request.get(request_id)
+            if token is None:
+                return False
+            entry = self._entries[token]
+            if entry.closing is not None:
+                return False
+            entry.closing = "revoked"
+            if entry.num_active_reads == 0:
+                self._release(entry, "revoked")
+            return True
+
+    def drain_released(self) -> list[Release]:
+        """Return and forget the queued releases; each release is returned once.
+
+        Ownership of the blocks passes to the caller, which frees them.
+        """
+        with self._lock:
+            released, self._released = self._released, []
+            return released
+
+    # ---------------------------------------------------------------- queries
+
+    def next_expiry(self) -> float | None:
+        """Earliest ``expires_at`` among grants not yet being released, or None."""
+        with self._lock:
+            heap = self._expiry_heap
+            while heap and self._is_stale(*heap[0]):
+                heapq.heappop(heap)
+            return heap[0][0] if heap else None
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Block ids held by unreleased grants (a block in two grants counts twice)."""
+        return self._num_held_blocks
+
+    def __len__(self) -> int:
+        """Number of grants not yet released."""
+        return len(self._entries)
+
+    def stats(self) -> GrantStats:
+        """Counters since the table was created."""
+        with self._lock:
+            return GrantStats(
+                num_issued=self._num_issued,
+                num_released_done=self._num_released["done"],
+                num_released_expired=self._num_released["expired"],
+                num_released_revoked=self._num_released["revoked"],
+                num_readers_done=self._num_readers[False],
+                num_readers_failed=self._num_readers[True],
+            )
+
+    def check_integrity(self) -> None:
+        """Cross-check every index and counter.
+
+        Raises:
+            IntegrityError: with the counts that disagree.
+        """
+        with self._lock:
+            self._check_integrity_locked()
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_integrity_locked(self) -> None:
+        entries = self._entries
+        by_request = {e.grant.request_id: t for t, e in entries.items()}
+        if by_request != self._token_by_request or len(by_request) != len(entries):
+            raise IntegrityError(
+                f"{len(entries)} grants but {len(self._token_by_request)} request ids indexed"
+            )
+        num_blocks = sum(len(e.grant.block_ids) for e in entries.values())
+        if num_blocks != self._num_held_blocks:
+            raise IntegrityError(f"grants hold {num_blocks} blocks, counter says "
+                                 f"{self._num_held_blocks}")
+        heap_items = set(self._expiry_heap)
+        for token, e in entries.items():
+            g = e.grant
+            if token != g.token or len(e.block_set) != len(g.block_ids):
+                raise IntegrityError(f"grant {g.request_id!r}: token or block set mismatch")
+            if e.num_active_reads < 0 or (e.closing is not None and e.num_active_reads == 0):
+                raise IntegrityError(f"grant {g.request_id!r}: {e.num_active_reads} active "
+                                     f"reads while closing={e.closing}")
+            if e.closing is None and len(e.reader_failed) >= g.num_expected_readers:
+                raise IntegrityError(f"grant {g.request_id!r}: {len(e.reader_failed)} of "
+                                     f"{g.num_expected_readers} readers reported, not released")
+            if e.closing is None and (g.expires_at, token) not in heap_items:
+                raise IntegrityError(f"grant {g.request_id!r}: expiry {g.expires_at} not queued")
+            if token in self._tombstones:
+                raise IntegrityError(f"grant {g.request_id!r} is both live and released")
+        if len(self._tombstones) > self._num_tombstones:
+            raise IntegrityError(f"{len(self._tombstones)} tombstones > {self._num_tombstones}")
+        num_released = sum(self._num_released.values())
+        if self._num_issued != num_released + len(entries):
+            raise IntegrityError(f"{self._num_issued} issued != {num_released} released + "
+                                 f"{len(entries)} live")
+
+    def _check_read(self, token: str, block_ids: Sequence[int]) -> _Entry:
+        entry = self._live_entry(token, self._clock.now())
+        outside = [b for b in block_ids if b not in entry.block_set]
+        if outside:
+            raise BlockNotGrantedError(
+                f"{len(outside)} of {len(block_ids)} requested block ids are not in the "
+                f"grant of request {entry.grant.request_id!r}, e.g. "
+                f"{outside[:_NUM_IDS_IN_MESSAGE]}"
+            )
+        return entry
+
+    def _live_entry(self, token: str, now: float) -> _Entry:
+        if len(token) != TOKEN_LEN:  # before hashing an arbitrary peer string
+            raise UnknownGrantError(f"no grant with token {_short(token)}")
+        entry = self._entries.get(token)
+        if entry is None:
+            reason = self._tombstones.get(token)
+            if reason == "expired":
+                raise ExpiredGrantError(f"grant {_short(token)} expired and was released")
+            if reason is not None:
+                raise UnknownGrantError(f"grant {_short(token)} was already released ({reason})")
+            raise UnknownGrantError(f"no grant with token {_short(token)}")
+        g = entry.grant
+        if entry.closing == "expired" or now >= g.expires_at:
+            raise ExpiredGrantError(
+                f"grant of request {g.request_id!r} expired at {g.expires_at:.3f} (now {now:.3f})"
+            )
+        if entry.closing is not None:
+            raise UnknownGrantError(
+                f"grant of request {g.request_id!r} is being released ({entry.closing})"
+            )
+        return entry
+
+    def _report(self, token: str, reader_id: str, *, failed: bool) -> bool:
+        if not reader_id:
+            raise ConfigError("reader_id must be a non-empty string")
+        with self._lock:
+            entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
+            if entry is None:
+                if len(token) == TOKEN_LEN and token in self._tombstones:
+                    return False
+                raise UnknownGrantError(f"no grant with token {_short(token)}")
+            if reader_id not in entry.reader_failed:
+                entry.reader_failed[reader_id] = failed
+                self._num_readers[failed] += 1
+            if entry.closing is None and (
+                len(entry.reader_failed) >= entry.grant.num_expected_readers
+            ):
+                entry.closing = "done"
+                if entry.num_active_reads == 0:
+                    self._release(entry, "done")
+                return True
+            return False
+
+    def _release(self, entry: _Entry, reason: ReleaseReason) -> Release:
+        g = entry.grant
+        del self._entries[g.token]
+        del self._token_by_request[g.request_id]
+        self._num_held_blocks -= len(g.block_ids)
+        self._num_released[reason] += 1
+        if self._num_tombstones > 0:
+            self._tombstones[g.token] = reason
+            if len(self._tombstones) > self._num_tombstones:
+                self._tombstones.popitem(last=False)
+        release = Release(g.request_id, g.block_ids, reason)
+        self._released.append(release)
+        return release
+
+    def _is_stale(self, expires_at: float, token: str) -> bool:
+        entry = self._entries.get(token)
+        return entry is None or entry.closing is not None or entry.grant.expires_at != expires_at
+
+    def _push_expiry(self, expires_at: float, token: str) -> None:
+        heap = self._expiry_heap
+        heapq.heappush(heap, (expires_at, token))
+        # Renewals and early releases leave stale items behind; rebuild when they dominate.
+        if len(heap) > 2 * len(self._entries) + 64:
+            heap[:] = [item for item in heap if not self._is_stale(*item)]
+            heapq.heapify(heap)
