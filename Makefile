@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/kvbridge demo
 
 lint: setup
-	$(BIN)/ruff check kvbridge tests benchmarks examples
+	$(BIN)/ruff check .
 	$(BIN)/mypy kvbridge
 
 pytest: setup
