@@ -1,0 +1,77 @@
+"""Transfer engines measured beside kvbridge on the same KV-shaped workload.
+
+``benchmarks/transfer_bench.py`` (``kvbridge bench transfer --peers ...``)
+builds the request sizes with :func:`sizes_for_blocks`, runs kvbridge's agent,
+and calls :func:`run_named_peer` for each requested peer in the same run.
+
+Map of this package:
+    workload.py       KV-shaped blocks, scattered ids, deterministic fill, verify
+    results.py        PeerResult / Unavailable and the statistics behind them
+    harness.py        two-process runner: target + initiator, metadata in-band
+    ucx_perftest.py   tag_bw / ucp_get of the libucx wheel's binary (UCX ceiling)
+    nixl_peer.py      NIXL, UCX backend, DRAM, READ of scattered blocks
+    mooncake_peer.py  Mooncake Transfer Engine, tcp, P2PHANDSHAKE, batch READ
+
+Peer modules are imported on first use, so ``python -m
+benchmarks.peers.<peer>`` does not import itself twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
+from benchmarks.peers.workload import (
+    DEFAULT_BLOCK_COUNTS,
+    KVShape,
+    KVWorkload,
+    WorkloadError,
+    sizes_for_blocks,
+)
+
+PEER_NAMES: tuple[str, ...] = ("ucx_perftest", "ucx_perftest_get", "nixl", "mooncake")
+_PEER_MODULES = MappingProxyType({
+    "ucx_perftest": "benchmarks.peers.ucx_perftest",
+    "ucx_perftest_get": "benchmarks.peers.ucx_perftest",
+    "nixl": "benchmarks.peers.nixl_peer",
+    "mooncake": "benchmarks.peers.mooncake_peer",
+})
+
+
+def run_named_peer(name: str, sizes: list[int], iters: int,
+                   workload: KVWorkload | None = None) -> PeerOutcome:
+    """Run one peer by name on ``sizes`` (bytes) for ``iters`` requests each.
+
+    Args:
+        name: One of :data:`PEER_NAMES`.
+        sizes: Request sizes in bytes, multiples of the block size.
+        iters: Timed requests per size.
+        workload: Shared pool geometry; default fits ``sizes``.
+
+    Returns:
+        One ``PeerResult`` per size, or ``Unavailable`` with the reason.
+
+    Raises:
+        ValueError: unknown ``name`` or bad sizes/iters.
+    """
+    if name not in _PEER_MODULES:
+        raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}")
+    module = importlib.import_module(_PEER_MODULES[name])
+    extra = {"test": "ucp_get"} if name == "ucx_perftest_get" else {}
+    outcome: PeerOutcome = module.run_peer(sizes, iters, workload=workload, **extra)
+    return outcome
+
+
+__all__ = [
+    "DEFAULT_BLOCK_COUNTS",
+    "PEER_NAMES",
+    "KVShape",
+    "KVWorkload",
+    "PeerOutcome",
+    "PeerResult",
+    "Unavailable",
+    "WorkloadError",
+    "run_named_peer",
+    "sizes_for_blocks",
+]

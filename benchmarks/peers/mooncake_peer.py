@@ -1,0 +1,181 @@
+"""Mooncake Transfer Engine as a transfer peer: TCP, P2P handshake, batch READ.
+
+Called by ``benchmarks/transfer_bench.py`` through :func:`run_peer`; also a
+script (``python -m benchmarks.peers.mooncake_peer --blocks 1,16,1024``).
+
+Both sides start a ``TransferEngine`` with protocol ``tcp`` and metadata
+``P2PHANDSHAKE`` (no metadata server: the engines exchange segment metadata
+over their own RPC port). The target registers its source pool and hands its
+session name (``127.0.0.1:<rpc port>``) and pool address to the parent, which
+passes them to the initiator in-band (see ``harness``). Per request the
+initiator issues one ``batch_transfer_sync_read`` naming every scattered block
+(one address pair per block); that call is what is timed.
+
+Needs PyPI ``mooncake-transfer-engine-non-cuda`` and, from Debian,
+``libibverbs1``, ``libnl-3-200`` and ``libnl-route-3-200`` (its engine library
+links them even for TCP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Generator
+from typing import Any
+
+from benchmarks.peers.harness import (
+    Payload,
+    PeerRunError,
+    Request,
+    child_main,
+    run_pair,
+    time_requests,
+    workload_from_spec,
+    workload_spec,
+)
+from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
+from benchmarks.peers.workload import (
+    DEFAULT_BLOCK_COUNTS,
+    IdArray,
+    KVWorkload,
+    sizes_for_blocks,
+)
+
+PEER = "mooncake"
+_MODULE = "benchmarks.peers.mooncake_peer"
+_HOST = "127.0.0.1"
+_DEFAULT_WARMUP = 2
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake call returned a failure code."""
+
+
+def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
+             warmup: int = _DEFAULT_WARMUP, timeout_s: float | None = None) -> PeerOutcome:
+    """Read ``sizes`` bytes of scattered blocks through Mooncake between two processes.
+
+    Args:
+        sizes: Request sizes in bytes, multiples of the workload's block size.
+        iters: Timed requests per size (after ``warmup`` untimed ones).
+        workload: Pool geometry and content; default fits ``sizes``.
+        warmup: Untimed requests per size (the first also connects).
+        timeout_s: Deadline per step; default scales with the bytes moved.
+
+    Returns:
+        One ``PeerResult`` per size, or ``Unavailable`` when the package or its
+        system libraries are missing or the run failed (the reason says which).
+
+    Raises:
+        WorkloadError: a size does not fit the workload.
+        ValueError: ``iters`` < 1 or ``warmup`` < 0.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
+    workload = workload or KVWorkload.for_sizes(sizes)
+    for nbytes in sizes:
+        workload.num_blocks_for(nbytes)
+    if importlib.util.find_spec("mooncake") is None:
+        return Unavailable(
+            PEER, "mooncake-transfer-engine-non-cuda is not installed "
+            "(pip install mooncake-transfer-engine-non-cuda)"
+        )
+    if timeout_s is None:
+        # TCP on loopback runs well under 1 GB/s here; allow 20 MB/s.
+        timeout_s = 60.0 + sum(sizes) * (iters + warmup) / 20e6
+    spec = workload_spec(workload, sizes, iters, warmup, timeout_s)
+    try:
+        rows = run_pair(_MODULE, spec, timeout_s)
+    except PeerRunError as exc:
+        return Unavailable(PEER, str(exc))
+    return [PeerResult(**row) for row in rows]
+
+
+def _new_engine() -> Any:
+    """A TCP engine with P2P handshake (untyped third-party object).
+
+    Raises:
+        MooncakeError: ``initialize`` failed.
+    """
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:  # e.g. libibverbs.so.1 missing: say which
+        raise MooncakeError(f"cannot load mooncake.engine: {exc}") from exc
+    engine = TransferEngine()
+    rc = engine.initialize(_HOST, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise MooncakeError(f"TransferEngine.initialize(tcp, P2PHANDSHAKE) returned {rc}")
+    return engine
+
+
+def _register(engine: Any, addr: int, nbytes: int) -> None:
+    rc = engine.register_memory(addr, nbytes)
+    if rc != 0:
+        raise MooncakeError(f"register_memory of {nbytes} B at {addr:#x} returned {rc}")
+
+
+def _serve(spec: Payload) -> Generator[Payload, None, None]:
+    """Target: fill and register the source pool, publish the session name."""
+    workload = workload_from_spec(spec)
+    pool = workload.new_pool()
+    workload.fill_source(pool)
+    engine = _new_engine()
+    _register(engine, pool.ctypes.data, pool.nbytes)
+    try:
+        yield {"session": f"{_HOST}:{engine.get_rpc_port()}", "base_addr": pool.ctypes.data}
+    finally:
+        engine.unregister_memory(pool.ctypes.data)
+
+
+def _read(spec: Payload, target: Payload) -> list[Payload]:
+    """Initiator: time batch READs of the scattered blocks, verify."""
+    workload = workload_from_spec(spec)
+    session = str(target["session"])
+    remote_base = int(target["base_addr"])
+    pool = workload.new_pool()
+    engine = _new_engine()
+    _register(engine, pool.ctypes.data, pool.nbytes)
+    block_nbytes = workload.block_nbytes
+
+    def prepare(remote_ids: IdArray, local_ids: IdArray) -> Request:
+        # Address lists are built once per size, as a connector would when it
+        # plans a request; only the transfer call is timed.
+        local_addrs = [pool.ctypes.data + int(i) * block_nbytes for i in local_ids]
+        remote_addrs = [remote_base + int(i) * block_nbytes for i in remote_ids]
+        lengths = [block_nbytes] * len(local_addrs)
+
+        def request() -> None:
+            rc = engine.batch_transfer_sync_read(session, local_addrs, remote_addrs, lengths)
+            if rc != 0:
+                raise MooncakeError(f"batch READ of {len(lengths)} blocks returned {rc}")
+
+        return request
+
+    try:
+        return time_requests(PEER, spec, pool, prepare)
+    finally:
+        engine.unregister_memory(pool.ctypes.data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: child roles (used by the harness) or a stand-alone run."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("target", "initiator"):
+        return child_main(args[0], _serve, _read)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default=",".join(map(str, DEFAULT_BLOCK_COUNTS)))
+    parser.add_argument("--iters", type=int, default=20)
+    opts = parser.parse_args(args)
+    sizes = sizes_for_blocks([int(n) for n in opts.blocks.split(",")])
+    outcome = run_peer(sizes, opts.iters)
+    if isinstance(outcome, Unavailable):
+        print(outcome)
+        return 1
+    for row in outcome:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
