@@ -1,1 +1,135 @@
-"""kvbridge.paged."""
+"""The paged KV cache manager everything in kvbridge stands on.
+
+Map of the package (lower modules never import higher ones)::
+
+    spec.py         per-layer KV cache specs, groups, KVCacheConfig
+    config.py       sizing: blocks from available memory, longest context
+    hashing.py      chained, seeded block hashes (P and D agree)
+    events.py       prefix-cache events (stored / removed / cleared)
+    free_queue.py   KVCacheBlock and the intrusive LRU free-block queue
+    block_pool.py   ref counts, hash -> block map, eviction
+    request.py      the request as the manager sees it
+    single_type.py  per-group managers (full, sliding window, chunked, ...)
+    coordinator.py  the groups of one config as a unit
+    manager.py      KVCacheManager: the scheduler's interface
+    stats.py        prefix-cache stats and hit-rate window
+    block_table.py  per-request block id rows and slot mapping (worker side)
+"""
+
+from __future__ import annotations
+
+from kvbridge.paged.block_pool import BlockPool, DoubleFreeError
+from kvbridge.paged.block_table import (
+    BlockTable,
+    ContextParallelConfig,
+    GroupTableSpec,
+    MultiGroupBlockTable,
+)
+from kvbridge.paged.config import (
+    RequestLimits,
+    check_enough_memory,
+    estimate_max_model_len,
+    get_kv_cache_config,
+    get_max_concurrency,
+    group_layers,
+    max_request_nbytes,
+    unify_kv_cache_configs,
+)
+from kvbridge.paged.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    decode_events,
+    encode_events,
+)
+from kvbridge.paged.free_queue import FreeBlockQueue, KVCacheBlock, NoFreeBlocksError
+from kvbridge.paged.hashing import (
+    HASH_FN_NAMES,
+    BlockHash,
+    BlockHasher,
+    MultiModalSpan,
+    RequestHashExtras,
+    make_hash_fn,
+)
+from kvbridge.paged.manager import (
+    AllocationError,
+    CacheTooSmallError,
+    KVCacheBlocks,
+    KVCacheManager,
+    RequestTooLongError,
+)
+from kvbridge.paged.request import Request
+from kvbridge.paged.spec import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SpecMismatchError,
+    UniformTypeSpecs,
+    UnsupportedSpecError,
+)
+from kvbridge.paged.stats import PrefixCacheHitWindow, PrefixCacheStats
+
+__all__ = [
+    "HASH_FN_NAMES",
+    "AllBlocksCleared",
+    "AllocationError",
+    "AttentionSpec",
+    "BlockHash",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "BlockTable",
+    "CacheTooSmallError",
+    "ChunkedLocalAttentionSpec",
+    "ContextParallelConfig",
+    "CrossAttentionSpec",
+    "DoubleFreeError",
+    "EncoderOnlyAttentionSpec",
+    "FreeBlockQueue",
+    "FullAttentionSpec",
+    "GroupTableSpec",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "MultiGroupBlockTable",
+    "MultiModalSpan",
+    "NoFreeBlocksError",
+    "PrefixCacheHitWindow",
+    "PrefixCacheStats",
+    "Request",
+    "RequestHashExtras",
+    "RequestLimits",
+    "RequestTooLongError",
+    "SlidingWindowSpec",
+    "SpecMismatchError",
+    "UniformTypeSpecs",
+    "UnsupportedSpecError",
+    "check_enough_memory",
+    "decode_events",
+    "encode_events",
+    "estimate_max_model_len",
+    "get_kv_cache_config",
+    "get_max_concurrency",
+    "group_layers",
+    "make_hash_fn",
+    "max_request_nbytes",
+    "unify_kv_cache_configs",
+]
