@@ -1,0 +1,153 @@
+"""Input validation shared by the kernel launchers (:mod:`kvbridge.kernels.launch`).
+
+Every function raises :class:`KernelInputError` naming the offending values and
+touches no data, so a failed launch leaves caches and buffers as they were.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from kvbridge.kernels.caches import CacheSet, int_dtype
+from kvbridge.kernels.wire import KernelInputError, WireFormat
+
+Impl = Literal["auto", "triton", "torch"]
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def check_heads(caches: CacheSet, head_start: int, head_end: int) -> None:
+    """Raise unless ``[head_start, head_end)`` is a non-empty slice of the caches' heads."""
+    if not 0 <= head_start < head_end <= caches.num_heads:
+        what = "MLA latent (use 0, 1)" if caches.is_mla else f"{caches.num_heads} heads"
+        raise KernelInputError(f"head slice [{head_start}, {head_end}) is not within {what}")
+
+
+def check_wire(wire: WireFormat, caches: CacheSet, head_offset: int) -> None:
+    """Raise unless ``wire`` can land in ``caches`` at ``head_offset``."""
+    if not isinstance(wire, WireFormat):
+        raise KernelInputError(f"wire must be a WireFormat, got {type(wire).__name__}")
+    mismatches = [
+        (name, theirs, ours)
+        for name, theirs, ours in (
+            ("is_mla", wire.is_mla, caches.is_mla),
+            ("num_layers", wire.num_layers, caches.num_layers),
+            ("head_dim", wire.head_dim, caches.head_dim),
+            ("elem_nbytes", wire.elem_nbytes, caches.elem_nbytes),
+        )
+        if theirs != ours
+    ]
+    if mismatches:
+        text = ", ".join(
+            f"{name} remote {theirs} local {ours}" for name, theirs, ours in mismatches
+        )
+        raise KernelInputError(f"wire format does not match the local caches: {text}")
+    local_bs, remote_bs = caches.block_size, wire.block_size
+    if local_bs % remote_bs and remote_bs % local_bs:
+        raise KernelInputError(
+            f"remote block size {remote_bs} and local block size {local_bs}: neither divides "
+            "the other"
+        )
+    if head_offset < 0 or head_offset + wire.num_heads > caches.num_heads:
+        raise KernelInputError(
+            f"{wire.num_heads} remote heads at head_offset {head_offset} do not fit in "
+            f"{caches.num_heads} local heads"
+        )
+
+
+def as_block_ids(ids: BlockIds, num_blocks: int, device: torch.device, what: str) -> torch.Tensor:
+    """Return ``ids`` as a 1-D int64 tensor on ``device``, range-checked."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise KernelInputError(
+                f"{what} must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}"
+            )
+        tensor = ids.to(device=device, dtype=torch.int64)
+    else:
+        try:
+            tensor = torch.tensor(list(ids), dtype=torch.int64, device=device)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise KernelInputError(f"{what} must be a sequence of ints: {exc}") from None
+        if tensor.dim() != 1:
+            raise KernelInputError(f"{what} must be a flat sequence of ints, got {ids!r}")
+    if tensor.numel():
+        low, high = (int(v) for v in torch.aminmax(tensor))
+        if low < 0 or high >= num_blocks:
+            raise KernelInputError(
+                f"{what} span [{low}, {high}], outside the cache's {num_blocks} blocks"
+            )
+    return tensor
+
+
+def check_unique(ids: torch.Tensor, what: str) -> None:
+    """Raise if a destination id repeats (parallel writes would race)."""
+    if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        raise KernelInputError(f"{what} repeat a destination block: {ids.tolist()}")
+
+
+def staging_bytes(
+    out: torch.Tensor | None, nbytes: int, device: torch.device, what: str
+) -> torch.Tensor:
+    """A 1-D uint8 view of ``nbytes`` bytes: a prefix of ``out``, or a new buffer."""
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return byte_prefix(out, nbytes, device, what)
+
+
+def byte_prefix(t: torch.Tensor, nbytes: int, device: torch.device, what: str) -> torch.Tensor:
+    """The first ``nbytes`` of a contiguous tensor on ``device``, as 1-D uint8."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(f"{what} must be a tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise KernelInputError(f"{what} is on {t.device}, the caches on {device}")
+    if not t.is_contiguous():
+        raise KernelInputError(f"{what} must be contiguous, got strides {t.stride()}")
+    have = t.numel() * t.element_size()
+    if have < nbytes:
+        raise KernelInputError(f"{what} holds {have} bytes, {nbytes} needed")
+    return t.reshape(-1).view(torch.uint8)[:nbytes]
+
+
+def received_bytes(buf: torch.Tensor, caches: CacheSet, nbytes: int) -> torch.Tensor:
+    """``buf`` (uint8 or the cache dtype) as its first ``nbytes`` bytes."""
+    if isinstance(buf, torch.Tensor) and buf.dtype not in (torch.uint8, caches.dtype):
+        raise KernelInputError(f"buf dtype {buf.dtype} is neither uint8 nor {caches.dtype}")
+    return byte_prefix(buf, nbytes, caches.device, "buf")
+
+
+def as_elements(flat_bytes: torch.Tensor, elem_nbytes: int, what: str) -> torch.Tensor:
+    """1-D bytes as integers of ``elem_nbytes`` (raises when misaligned)."""
+    try:
+        return flat_bytes.view(int_dtype(elem_nbytes))
+    except RuntimeError:
+        raise KernelInputError(
+            f"{what} starts at byte offset {flat_bytes.storage_offset()}, not aligned to "
+            f"{elem_nbytes}-byte elements"
+        ) from None
+
+
+def uva_ok(src: CacheSet, dst: CacheSet) -> bool:
+    """Triton may copy across host and device when the host side is pinned (UVA)."""
+    host = src if src.device.type == "cpu" else dst
+    other = dst if host is src else src
+    return other.device.type == "cuda" and host.layers[0].is_pinned()
+
+
+def use_triton(impl: Impl, device: torch.device, allow: bool = True) -> bool:
+    """Whether to run Triton; ``allow`` is False when the tensors rule it out."""
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return device.type == "cuda" and allow
+    if impl != "triton":
+        raise KernelInputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if not allow:
+        raise KernelInputError("impl='triton' needs both caches on one CUDA device or pinned host")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelInputError(
+            f"impl='triton' on {device} tensors needs TRITON_INTERPRET=1 (no GPU to run on)"
+        )
+    return True

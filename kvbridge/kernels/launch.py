@@ -1,0 +1,241 @@
+"""Public entry points of the kernels: validate inputs, then run Triton or torch.
+
+Called by the transfer agent. Every check happens before the first write, so a
+:class:`KernelInputError` leaves caches and buffers untouched. CUDA tensors go to
+:mod:`kvbridge.kernels.triton_kernels`, CPU tensors to
+:mod:`kvbridge.kernels.torch_cpu`; ``impl`` overrides the choice (tests force
+``"triton"`` on CPU tensors under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbridge.kernels import checks, torch_cpu
+from kvbridge.kernels.caches import (
+    CacheSet,
+    LayerCaches,
+    narrow_to_common_word,
+    split_layers,
+    widen,
+)
+from kvbridge.kernels.checks import BlockIds, Impl
+from kvbridge.kernels.wire import KernelInputError, WireFormat
+from kvbridge.layout import KVLayout
+
+__all__ = ["Impl", "copy_blocks", "pack", "unpack", "wire_format"]
+
+
+def wire_format(
+    layer_caches: LayerCaches, layout: KVLayout, head_start: int, head_end: int
+) -> WireFormat:
+    """Describe the buffer :func:`pack` builds from these caches and head slice.
+
+    Raises:
+        KernelInputError: invalid caches or head slice.
+    """
+    caches = split_layers(layer_caches, layout, "caches")
+    checks.check_heads(caches, head_start, head_end)
+    return _wire_of(caches, head_end - head_start)
+
+
+def pack(
+    layer_caches: LayerCaches,
+    block_ids: BlockIds,
+    head_start: int,
+    head_end: int,
+    layout: KVLayout,
+    out: torch.Tensor | None = None,
+    *,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Gather blocks (all layers, heads ``[head_start, head_end)``) into one buffer.
+
+    The buffer follows the wire layout of :mod:`kvbridge.kernels.wire`; no relayout.
+
+    Args:
+        layer_caches: the sender's caches (per-layer list or stacked tensor).
+        block_ids: blocks to send, any order, repeats allowed.
+        head_start: first head of the slice (0 for MLA).
+        head_end: one past the last head (1 for MLA).
+        layout: layout of the caches.
+        out: optional staging buffer to reuse: contiguous, same device, at least
+            ``wire.nbytes(len(block_ids))`` bytes, aligned to the element size.
+        impl: ``"auto"`` (Triton for CUDA, torch for CPU), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        A 1-D ``uint8`` view of the packed bytes (a prefix of ``out`` when given).
+
+    Raises:
+        KernelInputError: bad caches, head slice, ids, ``out`` or ``impl``.
+    """
+    caches = split_layers(layer_caches, layout, "caches")
+    checks.check_heads(caches, head_start, head_end)
+    ids = checks.as_block_ids(block_ids, caches.num_blocks, caches.device, "block_ids")
+    wire = _wire_of(caches, head_end - head_start)
+    nbytes = wire.nbytes(ids.numel())
+    out_bytes = checks.staging_bytes(out, nbytes, caches.device, "out")
+    use_triton = checks.use_triton(impl, caches.device)
+    if nbytes == 0:
+        return out_bytes
+    out_elems = checks.as_elements(out_bytes, caches.elem_nbytes, "out")
+    words, (out_words,) = widen(caches, [out_elems])
+    if use_triton:
+        from kvbridge.kernels import triton_kernels
+
+        triton_kernels.pack(words, ids, head_start, head_end, out_words)
+    else:
+        torch_cpu.pack(words, ids, head_start, head_end, out_words)
+    return out_bytes
+
+
+def unpack(
+    buf: torch.Tensor,
+    wire: WireFormat,
+    num_remote_blocks: int,
+    layer_caches: LayerCaches,
+    local_block_ids: BlockIds,
+    local_layout: KVLayout,
+    head_offset: int = 0,
+    num_tokens: int | None = None,
+    token_offset: int = 0,
+    *,
+    impl: Impl = "auto",
+) -> None:
+    """Scatter a packed buffer into local blocks, fixing layout and block size.
+
+    Remote blocks hold a run of consecutive tokens; token ``k`` of the run lands at
+    position ``p = token_offset + k`` of the local blocks::
+
+        remote  |r0 r0 r0 r0|r1 r1 r1 r1|r2 r2 r2 r2|...      (block_size 4)
+        p       0 ...                                  (token_offset + k)
+        local   |L[0] ......... 8 slots|L[1] ......... |       (block_size 8)
+                 block local_block_ids[p // 8], slot p % 8
+
+    heads ``[head_offset, head_offset + wire.num_heads)`` of the local block.
+
+    Args:
+        buf: the packed bytes (``uint8`` or the cache dtype), contiguous, same device.
+        wire: how the sender laid out ``buf``.
+        num_remote_blocks: blocks in ``buf``.
+        layer_caches: the receiver's caches (per-layer list or stacked tensor).
+        local_block_ids: destination blocks indexed by ``p // local_block_size``.
+        local_layout: layout of ``layer_caches``.
+        head_offset: first local head written.
+        num_tokens: tokens to write (the rest of the last block is skipped);
+            default all ``num_remote_blocks * wire.block_size``.
+        token_offset: position of the first token within the local blocks.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Raises:
+        KernelInputError: mismatched wire/caches, bad ranges, ids or buffer.
+    """
+    caches = split_layers(layer_caches, local_layout, "caches")
+    checks.check_wire(wire, caches, head_offset)
+    if num_remote_blocks < 0:
+        raise KernelInputError(f"num_remote_blocks must be >= 0, got {num_remote_blocks}")
+    max_tokens = num_remote_blocks * wire.block_size
+    if num_tokens is None:
+        num_tokens = max_tokens
+    if not 0 <= num_tokens <= max_tokens:
+        raise KernelInputError(
+            f"num_tokens {num_tokens} outside [0, {max_tokens}] for {num_remote_blocks} "
+            f"remote blocks of {wire.block_size} tokens"
+        )
+    if token_offset < 0:
+        raise KernelInputError(f"token_offset must be >= 0, got {token_offset}")
+    ids = checks.as_block_ids(local_block_ids, caches.num_blocks, caches.device, "local_block_ids")
+    first_block = token_offset // caches.block_size
+    end_block = -(-(token_offset + num_tokens) // caches.block_size)
+    if num_tokens and ids.numel() < end_block:
+        raise KernelInputError(
+            f"{num_tokens} tokens at token_offset {token_offset} need {end_block} local block "
+            f"ids of {caches.block_size} tokens, got {ids.numel()}"
+        )
+    if num_tokens:
+        checks.check_unique(ids[first_block:end_block], "local_block_ids")
+    buf_bytes = checks.received_bytes(buf, caches, wire.nbytes(num_remote_blocks))
+    use_triton = checks.use_triton(impl, caches.device)
+    if num_tokens == 0:
+        return
+    buf_elems = checks.as_elements(buf_bytes, caches.elem_nbytes, "buf")
+    words, (buf_words,) = widen(caches, [buf_elems])
+    args = (buf_words, wire, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset)
+    if use_triton:
+        from kvbridge.kernels import triton_kernels
+
+        triton_kernels.unpack(*args)
+    else:
+        torch_cpu.unpack(*args)
+
+
+def copy_blocks(
+    src_layer_caches: LayerCaches,
+    dst_layer_caches: LayerCaches,
+    block_ids: BlockIds,
+    dst_block_ids: BlockIds | None = None,
+    *,
+    impl: Impl = "auto",
+) -> None:
+    """Copy whole blocks, all layers, between two caches of the same shape.
+
+    Typically device -> pinned host mirror or back, for host-staged transfers.
+
+    Args:
+        src_layer_caches: source caches (per-layer list or stacked tensor).
+        dst_layer_caches: destination caches, same shapes and dtype (any device).
+        block_ids: source block ids.
+        dst_block_ids: destination block ids (default: ``block_ids``); no repeats.
+        impl: ``"auto"`` (Triton when both sides are CUDA), ``"triton"`` or ``"torch"``.
+
+    Raises:
+        KernelInputError: shape/dtype mismatch, bad ids, repeated destinations.
+    """
+    src = split_layers(src_layer_caches, KVLayout.NHD, "src caches")
+    dst = split_layers(dst_layer_caches, KVLayout.NHD, "dst caches")
+    if src.layers[0].shape != dst.layers[0].shape or src.num_layers != dst.num_layers:
+        raise KernelInputError(
+            f"src caches {src.num_layers} x {tuple(src.layers[0].shape)} and dst caches "
+            f"{dst.num_layers} x {tuple(dst.layers[0].shape)} differ"
+        )
+    if src.dtype != dst.dtype:
+        raise KernelInputError(f"src dtype {src.dtype} and dst dtype {dst.dtype} differ")
+    src_ids = checks.as_block_ids(block_ids, src.num_blocks, src.device, "block_ids")
+    dst_ids = checks.as_block_ids(
+        block_ids if dst_block_ids is None else dst_block_ids,
+        dst.num_blocks,
+        dst.device,
+        "dst_block_ids",
+    )
+    if src_ids.numel() != dst_ids.numel():
+        raise KernelInputError(
+            f"{src_ids.numel()} source block ids but {dst_ids.numel()} destination block ids"
+        )
+    checks.check_unique(dst_ids, "dst_block_ids")
+    same_device = src.device == dst.device
+    device = dst.device if src.device.type == "cpu" else src.device
+    use_triton = checks.use_triton(impl, device, allow=same_device or checks.uva_ok(src, dst))
+    if src_ids.numel() == 0:
+        return
+    src, _ = widen(src, [])
+    dst, _ = widen(dst, [])
+    if src.word_nbytes != dst.word_nbytes:
+        src, dst = narrow_to_common_word(src, dst)
+    if use_triton:
+        from kvbridge.kernels import triton_kernels
+
+        triton_kernels.copy_blocks(src, dst, src_ids.to(device), dst_ids.to(device))
+    else:
+        torch_cpu.copy_blocks(src, dst, src_ids, dst_ids)
+
+
+def _wire_of(caches: CacheSet, num_heads: int) -> WireFormat:
+    return WireFormat(
+        layout=caches.layout,
+        block_size=caches.block_size,
+        num_heads=num_heads,
+        head_dim=caches.head_dim,
+        elem_nbytes=caches.elem_nbytes,
+        num_layers=caches.num_layers,
+        is_mla=caches.is_mla,
+    )

@@ -1,0 +1,102 @@
+"""Wire layout of a packed KV buffer, and the typed error every kernel launcher raises.
+
+The sender's :func:`kvbridge.kernels.pack` writes, and the receiver's
+:func:`kvbridge.kernels.unpack` reads, one contiguous buffer per transfer::
+
+    buffer = [layer 0 .. num_layers-1]
+               [kv 0 .. num_kv-1]            (K, V; only one for MLA)
+                 [i 0 .. num_blocks-1]       (i-th block id given to pack)
+                   [block payload]           (sender's layout, head slice only)
+
+    payload, NHD:  [block_size][num_heads][head_dim]
+    payload, HND:  [num_heads][block_size][head_dim]
+    payload, MLA:  [block_size][latent_dim]  (num_heads == 1, head_dim == latent_dim)
+
+Pack therefore does no relayout (it is a pure gather); the receiver fixes layout,
+block size and head offset in its single unpack pass. The transfer agent sends a
+:class:`WireFormat` in its handshake metadata so the receiver can size buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVLayout
+
+__all__ = ["KernelInputError", "WireFormat"]
+
+_ELEM_NBYTES = (1, 2, 4, 8)
+
+
+class KernelInputError(ConfigError):
+    """A kernel launcher got tensors, ids or ranges it cannot work with.
+
+    The message names the offending values; nothing has been written when it is raised.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class WireFormat:
+    """Shape of a packed buffer as the sender laid it out.
+
+    Attributes:
+        layout: the SENDER's cache layout (rows of each payload follow it).
+        block_size: the sender's tokens per block.
+        num_heads: heads in the packed slice (1 for MLA).
+        head_dim: elements per head row (``latent_dim`` for MLA).
+        elem_nbytes: bytes per element (2 for bf16/fp16, 1 for fp8/uint8, 4 for fp32).
+        num_layers: layers in the buffer.
+        is_mla: one latent per token instead of K and V.
+    """
+
+    layout: KVLayout
+    block_size: int
+    num_heads: int
+    head_dim: int
+    elem_nbytes: int
+    num_layers: int
+    is_mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_heads", "head_dim", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise KernelInputError(f"WireFormat.{name} must be a positive int, got {value!r}")
+        if self.elem_nbytes not in _ELEM_NBYTES:
+            raise KernelInputError(
+                f"WireFormat.elem_nbytes must be one of {_ELEM_NBYTES}, got {self.elem_nbytes!r}"
+            )
+        if self.is_mla and self.num_heads != 1:
+            raise KernelInputError(f"an MLA wire format has num_heads 1, got {self.num_heads}")
+        object.__setattr__(self, "layout", KVLayout.parse(self.layout))
+
+    @property
+    def num_kv(self) -> int:
+        """Tensors per layer on the wire: 2 (K and V), or 1 for MLA."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def payload_numel(self) -> int:
+        """Elements of one (layer, kv, block) payload."""
+        return self.block_size * self.num_heads * self.head_dim
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of one (layer, kv, block) payload."""
+        return self.payload_numel * self.elem_nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block adds to the buffer, over all layers and K/V."""
+        return self.num_layers * self.num_kv * self.payload_nbytes
+
+    def nbytes(self, num_blocks: int) -> int:
+        """Bytes of a buffer holding ``num_blocks`` blocks.
+
+        Raises:
+            KernelInputError: ``num_blocks`` is negative.
+        """
+        if num_blocks < 0:
+            raise KernelInputError(f"num_blocks must be >= 0, got {num_blocks}")
+        return num_blocks * self.block_nbytes
