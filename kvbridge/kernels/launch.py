@@ -100,15 +100,18 @@ def unpack(
     num_tokens: int | None = None,
     token_offset: int = 0,
     *,
+    src_token_offset: int = 0,
     impl: Impl = "auto",
 ) -> None:
     """Scatter a packed buffer into local blocks, fixing layout and block size.
 
     Remote blocks hold a run of consecutive tokens; token ``k`` of the run lands at
-    position ``p = token_offset + k`` of the local blocks::
+    position ``p = token_offset + k - src_token_offset`` of the local blocks, for
+    ``k`` in ``[src_token_offset, src_token_offset + num_tokens)``::
 
         remote  |r0 r0 r0 r0|r1 r1 r1 r1|r2 r2 r2 r2|...      (block_size 4)
-        p       0 ...                                  (token_offset + k)
+        k        0 1 2 ...        (src_token_offset 2: r0's first 2 tokens skipped)
+        p            0 ...                           (token_offset 0)
         local   |L[0] ......... 8 slots|L[1] ......... |       (block_size 8)
                  block local_block_ids[p // 8], slot p % 8
 
@@ -123,8 +126,10 @@ def unpack(
         local_layout: layout of ``layer_caches``.
         head_offset: first local head written.
         num_tokens: tokens to write (the rest of the last block is skipped);
-            default all ``num_remote_blocks * wire.block_size``.
-        token_offset: position of the first token within the local blocks.
+            default all ``num_remote_blocks * wire.block_size - src_token_offset``.
+        token_offset: position of the first written token within the local blocks.
+        src_token_offset: tokens at the start of the buffer to skip (e.g. a read
+            that starts inside the sender's first block).
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
@@ -134,13 +139,20 @@ def unpack(
     checks.check_wire(wire, caches, head_offset)
     if num_remote_blocks < 0:
         raise KernelInputError(f"num_remote_blocks must be >= 0, got {num_remote_blocks}")
-    max_tokens = num_remote_blocks * wire.block_size
+    if not 0 <= src_token_offset <= num_remote_blocks * wire.block_size:
+        raise KernelInputError(
+            f"src_token_offset {src_token_offset} outside [0, "
+            f"{num_remote_blocks * wire.block_size}] for {num_remote_blocks} remote blocks of "
+            f"{wire.block_size} tokens"
+        )
+    max_tokens = num_remote_blocks * wire.block_size - src_token_offset
     if num_tokens is None:
         num_tokens = max_tokens
     if not 0 <= num_tokens <= max_tokens:
         raise KernelInputError(
             f"num_tokens {num_tokens} outside [0, {max_tokens}] for {num_remote_blocks} "
-            f"remote blocks of {wire.block_size} tokens"
+            f"remote blocks of {wire.block_size} tokens from src_token_offset "
+            f"{src_token_offset}"
         )
     if token_offset < 0:
         raise KernelInputError(f"token_offset must be >= 0, got {token_offset}")
@@ -160,7 +172,10 @@ def unpack(
         return
     buf_elems = checks.as_elements(buf_bytes, caches.elem_nbytes, "buf")
     words, (buf_words,) = widen(caches, [buf_elems])
-    args = (buf_words, wire, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset)
+    args = (
+        buf_words, wire, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset,
+        src_token_offset,
+    )
     if use_triton:
         from kvbridge.kernels import triton_kernels
 

@@ -108,39 +108,51 @@ def unpack(
     head_offset: int,
     num_tokens: int,
     token_offset: int,
+    src_token_offset: int = 0,
 ) -> None:
     """Scatter ``buf`` (words, wire layout) into the local blocks; see ``launch.unpack``.
 
-    Remote blocks ``[0, num_full)`` are whole and go in one scatter per layer; a
-    partial last block (``num_tokens`` not a multiple of the remote block size)
-    goes in a second, small one.
+    Buffer tokens ``[src_token_offset, src_token_offset + num_tokens)`` are
+    written. Remote blocks wholly inside that range go in one scatter per layer;
+    a partial first block (``src_token_offset`` inside it) and a partial last
+    block go in small masked ones::
+
+        buffer  |  b0  |  b1  |  b2  |  b3  |       (remote blocks)
+                    [=========================)     written tokens
+                 first  ^ full: b1, b2 ^  last (partial)
     """
-    num_full = num_tokens // wire.block_size
-    num_tail_tokens = num_tokens - num_full * wire.block_size
+    block_size = wire.block_size
+    start, end = src_token_offset, src_token_offset + num_tokens
+    first, last = start // block_size, (end - 1) // block_size
+    full_lo, full_hi = -(-start // block_size), end // block_size  # wholly written blocks
+    partial = sorted({first, last} - set(range(full_lo, full_hi)))
     row_words = caches.row_words
     wire_rows = buf.view(caches.num_layers, caches.num_kv, num_remote_blocks, -1, row_words)
-    token, _ = _wire_rows(_heads_major(wire), wire.block_size, wire.num_heads)
-    tail_mask = token < num_tail_tokens
-    plans: dict[tuple[int, ...], tuple[_Rows | None, _Rows | None]] = {}
+    token, _ = _wire_rows(_heads_major(wire), block_size, wire.num_heads)
+    masks = {
+        b: (b * block_size + token >= start) & (b * block_size + token < end) for b in partial
+    }
+    plans: dict[tuple[int, ...], tuple[_Rows | None, list[tuple[int, _Rows]]]] = {}
     jobs: list[tuple[_Rows, torch.Tensor, torch.Tensor]] = []
     for layer, src in zip(caches.layers, wire_rows, strict=True):
         if layer.stride() not in plans:
             offsets = _landing_offsets(
-                layer, caches, wire, local_block_ids.cpu(), head_offset, num_tokens, token_offset
+                layer, caches, wire, local_block_ids.cpu(), head_offset, first, last + 1,
+                token_offset - start,
             )
             full = None
-            if num_full:
-                full_offsets = offsets[:, :num_full]
+            if full_hi > full_lo:
+                full_offsets = offsets[:, full_lo - first : full_hi - first]
                 full = _coalesced(full_offsets, _run_rows(full_offsets, row_words), row_words)
-            tail = _Rows.at(offsets[:, num_full, tail_mask], row_words) if num_tail_tokens else None
-            plans[layer.stride()] = (full, tail)
-        full, tail = plans[layer.stride()]
+            parts = [(b, _Rows.at(offsets[:, b - first, masks[b]], row_words)) for b in partial]
+            plans[layer.stride()] = (full, parts)
+        full, parts = plans[layer.stride()]
         if full is not None:
-            values = src[:, :num_full].reshape(*full.starts.shape, full.run_words)
+            values = src[:, full_lo:full_hi].reshape(*full.starts.shape, full.run_words)
             jobs.append((full, layer, values))
-        if tail is not None:
-            # at most one block per layer: the small gather by mask is not a second pass
-            jobs.append((tail, layer, src[:, num_full, tail_mask]))
+        for b, rows in parts:
+            # at most two blocks per layer: the small gather by mask is not a second pass
+            jobs.append((rows, layer, src[:, b, masks[b]]))
     _run_scatters(jobs, buf.numel() * buf.element_size())
 
 
@@ -204,17 +216,20 @@ def _landing_offsets(
     wire: WireFormat,
     local_block_ids: torch.Tensor,
     head_offset: int,
-    num_tokens: int,
-    token_offset: int,
+    first_block: int,
+    end_block: int,
+    shift: int,
 ) -> torch.Tensor:
-    """``[num_kv, num_used_remote_blocks, rows]`` word offsets where each wire head row lands.
+    """``[num_kv, end_block - first_block, rows]`` word offsets where each wire head row lands.
 
-    Rows past ``num_tokens`` in the last block get a clamped (valid but unused) offset.
+    Buffer token ``k`` of remote block ``b`` (``k = b * block_size + row's token``)
+    lands at local position ``shift + k``. Rows outside the written tokens get a
+    clamped (valid but unused) offset.
     """
     token, head = _wire_rows(_heads_major(wire), wire.block_size, wire.num_heads)
-    num_used = -(-num_tokens // wire.block_size)
-    position = token_offset + torch.arange(num_used).view(-1, 1) * wire.block_size + token
-    local_index = (position // caches.block_size).clamp_(max=local_block_ids.numel() - 1)
+    blocks = torch.arange(first_block, end_block).view(-1, 1)
+    position = shift + blocks * wire.block_size + token
+    local_index = (position // caches.block_size).clamp_(0, local_block_ids.numel() - 1)
     s_kv, s_block = layer.stride(0), layer.stride(1)
     within = (
         local_block_ids[local_index] * s_block

@@ -64,12 +64,13 @@ def _pack_kernel(  # type: ignore[no-untyped-def]
 @triton.jit  # type: ignore[untyped-decorator]
 def _unpack_kernel(  # type: ignore[no-untyped-def]
     buf_ptr, cache_ptr, layer_offsets_ptr, local_ids_ptr,
-    num_remote_blocks, num_tokens, token_offset, remote_block_size, local_block_size,
+    num_remote_blocks, num_tokens, token_offset, src_token_offset, first_block,
+    remote_block_size, local_block_size,
     num_heads, stride_kv, stride_block, stride_token, stride_head, head_offset,
     NUM_KV: tl.constexpr, WIRE_HEADS_MAJOR: tl.constexpr, ROW_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
+    i = tl.program_id(0) + first_block
     layer_kv = tl.program_id(1)
     layer = layer_kv // NUM_KV
     kv = layer_kv % NUM_KV
@@ -82,9 +83,10 @@ def _unpack_kernel(  # type: ignore[no-untyped-def]
     else:
         token = rows // num_heads
         head = rows % num_heads
-    # token k of the run sits at position token_offset + k of the local blocks
-    k = i * remote_block_size + token
-    valid = (rows < num_rows) & (k < num_tokens)
+    # buffer token k (from src_token_offset on) sits at position
+    # token_offset + (k - src_token_offset) of the local blocks
+    k = i * remote_block_size + token - src_token_offset
+    valid = (rows < num_rows) & (k >= 0) & (k < num_tokens)
     position = token_offset + k
     block = tl.load(local_ids_ptr + position // local_block_size, mask=valid, other=0)
     dst = (
@@ -165,19 +167,22 @@ def unpack(
     head_offset: int,
     num_tokens: int,
     token_offset: int,
+    src_token_offset: int = 0,
 ) -> None:
     """Scatter ``buf`` (words, wire layout) into the local blocks; see ``launch.unpack``."""
     rows_per_block = wire.block_size * wire.num_heads
     per_layer = buf.view(caches.num_layers, -1)
     tiles = _tiles(rows_per_block, caches.row_words)
-    # only remote blocks holding at least one of the num_tokens tokens get programs
-    num_used = -(-num_tokens // wire.block_size)
+    # only remote blocks holding at least one written token get programs
+    first_block = src_token_offset // wire.block_size
+    num_used = -(-(src_token_offset + num_tokens) // wire.block_size) - first_block
     for first, layers in _layer_groups(caches.layers):
         layer = layers[0]
         grid = (num_used, len(layers) * caches.num_kv, tiles[0])
         _unpack_kernel[grid](
             per_layer[first], layer, _layer_offsets(layers), local_block_ids,
-            num_remote_blocks, num_tokens, token_offset, wire.block_size, caches.block_size,
+            num_remote_blocks, num_tokens, token_offset, src_token_offset, first_block,
+            wire.block_size, caches.block_size,
             wire.num_heads, layer.stride(0), layer.stride(1),
             layer.stride(caches.token_dim), layer.stride(caches.head_dim_index), head_offset,
             NUM_KV=caches.num_kv,

@@ -1,1 +1,4 @@
-"""kvbridge.transfer."""
+"""UCX transfer agent: wire messages, handshake, grants, reads across ranks.
+
+Entry point: :class:`kvbridge.transfer.agent.TransferAgent` (one per worker).
+"""

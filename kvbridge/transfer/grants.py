@@ -22,6 +22,12 @@ Lifecycle of one grant::
                │  ──(revoke)─────────────────> revoked ─┘      in drain_released()
                └─ renew() moves expires_at later (never past now + max_lease_s)
 
+The number of expected readers may be unknown when the grant is issued (P learns
+D's topology only when D's first reader handshakes): ``issue`` with
+``num_expected_readers=None`` and the serving agent calls
+``set_expected_readers`` on first reader contact. Reports that arrive before the
+count is known are kept and counted then.
+
 Times are the table's ``Clock`` (monotonic, local to this process). Tell a peer
 how long it has (``expires_at - clock.now()``), never the ``expires_at`` value.
 
@@ -103,7 +109,7 @@ class Grant:
     request_id: str
     block_ids: tuple[int, ...]
     expires_at: float
-    num_expected_readers: int
+    num_expected_readers: int | None  # None: set on first reader contact
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +206,7 @@ class GrantTable:
         self,
         request_id: str,
         block_ids: Sequence[int],
-        num_expected_readers: int,
+        num_expected_readers: int | None,
         lease_s: float | None = None,
     ) -> Grant:
         """Hold ``block_ids`` for ``request_id`` under a new random token.
@@ -208,7 +214,8 @@ class GrantTable:
         Args:
             request_id: the request on P; at most one live grant per request.
             block_ids: distinct block ids >= 0 (may be empty).
-            num_expected_readers: distinct readers that must report before release.
+            num_expected_readers: distinct readers that must report before release;
+                None when not known yet (see ``set_expected_readers``).
             lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
 
         Returns:
@@ -222,7 +229,7 @@ class GrantTable:
         """
         if not request_id:
             raise ConfigError("request_id must be a non-empty string")
-        if num_expected_readers < 1:
+        if num_expected_readers is not None and num_expected_readers < 1:
             raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
         lease = self._default_lease_s if lease_s is None else lease_s
         _check_lease(lease)
@@ -313,6 +320,39 @@ class GrantTable:
                 entry.grant = replace(entry.grant, expires_at=expires_at)
                 self._push_expiry(expires_at, token)
             return expires_at
+
+    def set_expected_readers(self, token: str, num_expected_readers: int) -> bool:
+        """Fix the reader count of a grant issued with ``num_expected_readers=None``.
+
+        The first call wins; later calls (other readers of the same engine
+        compute the same count) change nothing. If enough readers already
+        reported, the release is decided now.
+
+        Returns:
+            True if this call set the count.
+
+        Raises:
+            ConfigError: ``num_expected_readers < 1``.
+            UnknownGrantError: no grant (live or being released) has this token.
+        """
+        if num_expected_readers < 1:
+            raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
+        with self._lock:
+            entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
+            if entry is None:
+                raise UnknownGrantError(f"no grant with token {_short(token)}")
+            if entry.grant.num_expected_readers is not None:
+                return False
+            entry.grant = replace(entry.grant, num_expected_readers=num_expected_readers)
+            self._maybe_done(entry)
+            return True
+
+    def is_known(self, token: str) -> bool:
+        """Whether ``token`` names a grant that is live or was released (and remembered)."""
+        if len(token) != TOKEN_LEN:
+            return False
+        with self._lock:
+            return token in self._entries or token in self._tombstones
 
     # ---------------------------------------------------------------- releasing
 
@@ -450,9 +490,10 @@ class GrantTable:
             if e.num_active_reads < 0 or (e.closing is not None and e.num_active_reads == 0):
                 raise IntegrityError(f"grant {g.request_id!r}: {e.num_active_reads} active "
                                      f"reads while closing={e.closing}")
-            if e.closing is None and len(e.reader_failed) >= g.num_expected_readers:
+            expected = g.num_expected_readers
+            if e.closing is None and expected is not None and len(e.reader_failed) >= expected:
                 raise IntegrityError(f"grant {g.request_id!r}: {len(e.reader_failed)} of "
-                                     f"{g.num_expected_readers} readers reported, not released")
+                                     f"{expected} readers reported, not released")
             if e.closing is None and (g.expires_at, token) not in heap_items:
                 raise IntegrityError(f"grant {g.request_id!r}: expiry {g.expires_at} not queued")
             if token in self._tombstones:
@@ -509,14 +550,17 @@ class GrantTable:
             if reader_id not in entry.reader_failed:
                 entry.reader_failed[reader_id] = failed
                 self._num_readers[failed] += 1
-            if entry.closing is None and (
-                len(entry.reader_failed) >= entry.grant.num_expected_readers
-            ):
-                entry.closing = "done"
-                if entry.num_active_reads == 0:
-                    self._release(entry, "done")
-                return True
+            return self._maybe_done(entry)
+
+    def _maybe_done(self, entry: _Entry) -> bool:
+        """Decide the release when every expected reader reported; True if decided now."""
+        expected = entry.grant.num_expected_readers
+        if entry.closing is not None or expected is None or len(entry.reader_failed) < expected:
             return False
+        entry.closing = "done"
+        if entry.num_active_reads == 0:
+            self._release(entry, "done")
+        return True
 
     def _release(self, entry: _Entry, reason: ReleaseReason) -> Release:
         g = entry.grant

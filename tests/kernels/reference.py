@@ -76,11 +76,13 @@ def unpack(
     head_offset: int = 0,
     num_tokens: int | None = None,
     token_offset: int = 0,
+    src_token_offset: int = 0,
 ) -> None:
-    """Write token by token: token k -> block ids[(offset + k) // bs], slot (offset + k) % bs."""
+    """Write token by token: buffer token src + k -> block ids[(offset + k) // bs],
+    slot (offset + k) % bs."""
     layers = as_layers(caches)
     if num_tokens is None:
-        num_tokens = num_remote_blocks * wire.block_size
+        num_tokens = num_remote_blocks * wire.block_size - src_token_offset
     elem = _INT[wire.elem_nbytes]
     payload_shape = (
         (wire.block_size, wire.head_dim)
@@ -97,7 +99,7 @@ def unpack(
     for layer_index, layer in enumerate(layers):
         for kv, blocks in enumerate(_kv_blocks(raw(layer))):
             for k in range(num_tokens):
-                remote_block, token = divmod(k, wire.block_size)
+                remote_block, token = divmod(src_token_offset + k, wire.block_size)
                 source = _token_heads(payloads[layer_index, kv, remote_block], wire.layout, token)
                 local_index, slot = divmod(token_offset + k, local_bs)
                 target = _token_heads(blocks[local_block_ids[local_index]], local_layout, slot)

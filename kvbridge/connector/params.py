@@ -1,0 +1,135 @@
+"""``kv_transfer_params``: what P hands to D (through the proxy) about one request.
+
+The proxy sends a request to P with ``{"do_remote_decode": true}``; P's
+``ConnectorScheduler.request_finished`` answers with the params D needs to pull
+the prompt's KV (``do_remote_prefill`` plus where and what to read). The proxy
+copies them into the request it sends to D, whose engine parses them with
+:func:`parse_kv_transfer_params` and hands them to its ``ConnectorScheduler``.
+
+Parsing never raises: params that are missing a field, have a wrong type or an
+out-of-range value, or are not a JSON object become ``None`` with a warning, and
+the engine then prefills the request locally. ``expires_at`` is wall-clock epoch
+seconds (``time.time()`` on P): P's monotonic clock means nothing on D.
+
+Example::
+
+    params = parse_kv_transfer_params(body.get("kv_transfer_params"))
+    if params is not None and params.do_remote_prefill:
+        ...  # the connector will load remote_num_tokens tokens from P
+    json.dumps(params.to_json_dict())
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = ["KVTransferParams", "parse_kv_transfer_params"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_ID_LEN = 256
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request transfer instructions; every field is optional.
+
+    Attributes:
+        do_remote_decode: (to P) keep the prompt's KV for a remote decoder and
+            answer with params for it.
+        do_remote_prefill: (to D) load the prompt's KV from the remote prefill.
+        remote_engine_id: P's engine id.
+        remote_host: P's transfer host.
+        remote_port: P's transfer base port; its global rank ``g`` listens on base + g.
+        remote_block_ids: P's blocks holding the prompt, in token order.
+        remote_tp_size: P's tensor-parallel size.
+        remote_pp_size: P's pipeline-parallel size.
+        remote_block_size: P's tokens per block.
+        remote_num_tokens: prompt tokens whose KV P computed (from token 0).
+        grant: token naming P's grant for the blocks (a secret: do not log it).
+        expires_at: wall-clock epoch seconds after which P may have freed the blocks.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: Name | None = None
+    remote_host: Name | None = None
+    remote_port: Port | None = None
+    remote_block_ids: list[Count] = []
+    remote_tp_size: Size = 1
+    remote_pp_size: Size = 1
+    remote_block_size: Size | None = None
+    remote_num_tokens: Count = 0
+    grant: Name | None = None
+    expires_at: float | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (fields that are ``None`` are left out)."""
+        built: dict[str, Any] = msgspec.to_builtins(self)
+        return {key: value for key, value in built.items() if value is not None}
+
+    def missing_for_prefill(self) -> list[str]:
+        """Names of fields a ``do_remote_prefill`` request lacks (empty: complete)."""
+        missing = [
+            name
+            for name in ("remote_engine_id", "remote_host", "remote_port",
+                         "remote_block_size", "grant")
+            if getattr(self, name) is None
+        ]
+        if self.remote_num_tokens < 1:
+            missing.append("remote_num_tokens")
+        if not self.remote_block_ids:
+            missing.append("remote_block_ids")
+        elif self.remote_block_size is not None:
+            num_needed = -(-self.remote_num_tokens // self.remote_block_size)
+            if len(self.remote_block_ids) < num_needed:
+                missing.append(
+                    f"remote_block_ids ({len(self.remote_block_ids)} blocks of "
+                    f"{self.remote_block_size} for {self.remote_num_tokens} tokens)"
+                )
+        return missing
+
+
+def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:
+    """Validate a request's ``kv_transfer_params`` (a JSON object or a struct).
+
+    Never raises. A request that asks for both a remote prefill and a remote
+    decode keeps only the prefill: a request loaded from a remote engine is not
+    served to another one (no transfer chains or loops).
+
+    Args:
+        raw: ``None``, a ``dict`` decoded from JSON, or a :class:`KVTransferParams`.
+
+    Returns:
+        The params, or ``None`` (prefill locally) when ``raw`` is ``None`` or
+        malformed (a warning names the problem).
+    """
+    if raw is None:
+        return None
+    try:
+        if isinstance(raw, KVTransferParams):
+            raw = msgspec.to_builtins(raw)
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
+        params = msgspec.convert(raw, KVTransferParams)
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        logger.warning("ignoring malformed kv_transfer_params (prefilling locally): %s", exc)
+        return None
+    if params.do_remote_prefill:
+        missing = params.missing_for_prefill()
+        if missing:
+            logger.warning(
+                "ignoring kv_transfer_params without %s (prefilling locally)", ", ".join(missing)
+            )
+            return None
+        if params.do_remote_decode:
+            logger.warning("kv_transfer_params ask for a remote prefill and a remote decode; "
+                           "a remotely loaded request is not served again: dropping the decode")
+            params = msgspec.structs.replace(params, do_remote_decode=False)
+    return params

@@ -1,0 +1,383 @@
+"""``TransferAgent``: one per worker process; serves and issues KV block reads over UCX.
+
+Called by the connector's worker side (``kvbridge.connector``), from the engine's
+synchronous worker thread. The agent runs its own asyncio event loop in a
+background thread that owns the UCX worker, its listener and every connection;
+the public methods below are thread-safe and never block on the network
+(``start``/``close`` wait for the loop thread, with a deadline).
+
+Addresses: the agent of global rank ``g`` of an engine listens on
+``base_port + g``; ``start_read`` is given the remote engine's ``base_port``.
+
+Example (P rank 0 serving, D rank 0 reading)::
+
+    p = TransferAgent("prefill", p_topo, 0, 0, compat, port=5600)
+    p.register_kv_caches(p_caches); p.start()
+    grant = p.issue_grant("req-1", block_ids=[3, 7], num_expected_readers=1)
+
+    d = TransferAgent("decode", d_topo, 0, 0, compat)
+    d.register_kv_caches(d_caches); d.start()
+    d.start_read("req-1", engine_id="prefill", host="10.0.0.1", port=5600,
+                 remote_block_ids=[3, 7], local_block_ids=[0, 1],
+                 grant=grant.token, num_tokens=20)
+    ...
+    sending, recving = p.get_finished(), d.get_finished()   # each: (sending, recving)
+    d.get_failed_block_ids()                                # {} when all went well
+
+A grant may leave the reader count open (``num_expected_readers=None``): each
+serving rank then fixes it from the first reader's handshake, which carries the
+reader engine's topology. A reader that needs nothing (its own prefix cache
+already holds the tokens, or its request was aborted) still tells every serving
+rank it would have read from, with ``notify_done``, so P frees at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvbridge.errors import ConfigError
+from kvbridge.topology import EngineTopology
+from kvbridge.transfer.clock import Clock, MonotonicClock
+from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.grants import Grant, GrantTable
+from kvbridge.transfer.handshake import Identity
+from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
+from kvbridge.transfer.reader import ReaderContext
+from kvbridge.transfer.security import CompatInfo, compat_hash
+from kvbridge.transfer.server import ServerContext, serve_connection
+from kvbridge.transfer.staging import BufferPool
+from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+
+__all__ = ["AgentConfig", "TransferAgent", "TransferStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Running:
+    loop: asyncio.AbstractEventLoop
+    worker: UcxWorker
+    reads: Reads
+    stop: asyncio.Event
+
+
+class TransferAgent:
+    """Serves this worker's KV blocks and pulls remote blocks into them.
+
+    Args:
+        engine_id: this engine's id (same on all its workers).
+        topology: this engine's topology.
+        tp_rank: this worker's TP rank.
+        pp_rank: this worker's PP rank.
+        compat: what peers must agree on (hashed into the handshake).
+        port: listening port, 0 for any free port (read ``port`` after ``start``).
+        secret: cluster secret; when set, peers must prove they know it.
+        config: timeouts and buffer sizes.
+        clock: time source of the grant table.
+
+    Raises:
+        ConfigError: the ranks are out of range for ``topology``.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        topology: EngineTopology,
+        tp_rank: int,
+        pp_rank: int,
+        compat: CompatInfo,
+        *,
+        port: int = 0,
+        secret: bytes | None = None,
+        config: AgentConfig | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        if not engine_id:
+            raise ConfigError("engine_id must be a non-empty string")
+        self.engine_id = engine_id
+        self.topology = topology
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
+        self.global_rank = topology.global_rank(tp_rank, pp_rank)
+        self.config = config or AgentConfig()
+        self._clock = clock or MonotonicClock()
+        self.grants = GrantTable(self._clock, self.config.lease_s, 10 * self.config.lease_s)
+        self._me = Identity(
+            engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology)
+        )
+        self._requested_port = port
+        self._aliases: dict[str, str] = {}  # shared with the server sessions
+        self._alias_of_request: dict[str, str] = {}
+        self._local: LocalKV | None = None
+        self._running: _Running | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.port = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def register_kv_caches(self, layer_caches: Sequence[torch.Tensor]) -> None:
+        """Register this worker's caches (one tensor per held layer) before ``start``.
+
+        Raises:
+            ConfigError: shapes disagree with the topology, or already started.
+        """
+        if self._thread is not None:
+            raise ConfigError("register_kv_caches must be called before start()")
+        self._local = LocalKV(self.topology, self.tp_rank, self.pp_rank, layer_caches)
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Start the loop thread and the listener; return the bound port.
+
+        Raises:
+            ConfigError: no caches registered, or started twice.
+            TransferError: the listener could not start within ``timeout_s``.
+        """
+        if self._local is None:
+            raise ConfigError("register_kv_caches before start()")
+        if self._thread is not None:
+            raise ConfigError("TransferAgent.start() called twice")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(ready, failure), daemon=True,
+            name=f"kvbridge-agent-{self.engine_id}-{self.global_rank}",
+        )
+        self._thread.start()
+        if not ready.wait(timeout_s) or failure:
+            raise TransferError(f"transfer agent did not start: {failure or 'timeout'}")
+        return self.port
+
+    def _thread_main(self, ready: threading.Event, failure: list[BaseException]) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(ready, failure))
+        except BaseException as exc:  # reported to start(); the thread just ends
+            failure.append(exc)
+            ready.set()
+        finally:
+            loop.close()
+
+    async def _main(self, ready: threading.Event, failure: list[BaseException]) -> None:
+        assert self._local is not None
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        worker = UcxWorker()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-copy")
+        server_ctx = ServerContext(
+            self._me, self._local, self.grants, cfg, BufferPool(cfg.num_serve_buffers),
+            executor, self._clock, self._aliases,
+        )
+        reader_ctx = ReaderContext(
+            self._me, self._local, cfg, BufferPool(cfg.num_read_slots * cfg.window_chunks),
+            executor,
+        )
+        reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}")
+
+        async def on_connect(conn: UcxConnection) -> None:
+            await serve_connection(server_ctx, conn)
+
+        try:
+            self.port = worker.listen(
+                self._requested_port, on_connect, timeout_s=cfg.handshake_timeout_s
+            )
+            self._running = _Running(loop, worker, reads, asyncio.Event())
+            ready.set()
+            expiry = asyncio.create_task(self._expire_grants())
+            await self._running.stop.wait()
+            expiry.cancel()
+            await reads.close()
+        finally:
+            await worker.close()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _expire_grants(self) -> None:
+        while True:
+            self.grants.expire()
+            await asyncio.sleep(self.config.expire_every_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Say goodbye to peers, stop the loop thread, free UCX resources. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        running, thread = self._running, self._thread
+        if running is not None and thread is not None and thread.is_alive():
+            running.loop.call_soon_threadsafe(running.stop.set)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning("transfer agent thread did not stop within %ss", timeout_s)
+
+    def abort(self) -> None:
+        """Stop now without goodbyes (peers notice through their own deadlines)."""
+        running = self._running
+        if running is not None:
+            running.loop.call_soon_threadsafe(running.reads.abort_all)
+        self.close(timeout_s=1.0)
+
+    # ---------------------------------------------------------------- serving side
+    def issue_grant(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_expected_readers: int | None,
+        lease_s: float | None = None,
+        token: str | None = None,
+    ) -> Grant:
+        """Hold ``block_ids`` for readers of ``request_id``; see ``GrantTable.issue``.
+
+        Args:
+            num_expected_readers: readers that must report; None to let the first
+                reader's handshake decide (``topology.num_expected_readers``).
+            token: a token chosen by the engine and shared by all its ranks (readers
+                send one token to every rank); default: the table's own random one.
+                It must be unguessable (e.g. ``secrets.token_urlsafe(16)``).
+
+        Raises:
+            ConfigError: as ``GrantTable.issue``, or ``token`` shorter than 16 chars.
+        """
+        if token is not None and len(token) < 16:
+            raise ConfigError(f"grant token must have >= 16 characters, got {len(token)}")
+        grant = self.grants.issue(request_id, block_ids, num_expected_readers, lease_s)
+        if token is None:
+            return grant
+        self._aliases[token] = grant.token
+        self._alias_of_request[request_id] = token
+        return replace(grant, token=token)
+
+    # ---------------------------------------------------------------- reading side
+    def start_read(
+        self,
+        request_id: str,
+        *,
+        engine_id: str,
+        host: str,
+        port: int,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        grant: str,
+        num_tokens: int,
+        first_token: int = 0,
+    ) -> None:
+        """Begin pulling a request's blocks from a remote engine; returns at once.
+
+        Token ``t`` of the request lives in remote block ``remote_block_ids[t //
+        remote_block_size]`` and lands in ``local_block_ids[t // local_block_size]``;
+        tokens ``[first_token, first_token + num_tokens)`` are read::
+
+            request tokens   0 ........ first_token ............ end
+            local blocks     |hit |hit |new |new |new |           (not written before
+            remote blocks    |    r0   |    r1   |    r2   |       first_token; r1 is
+                                            ^ read from here       read from its middle)
+
+        The outcome appears later in ``get_finished()[1]`` and, on failure, in
+        ``get_failed_block_ids()`` (the local blocks holding the read tokens).
+
+        Args:
+            request_id: key of the outcome; unique among reads in flight.
+            engine_id: the serving engine.
+            host: its host; its rank ``g`` listens on ``port + g``.
+            port: its base port.
+            remote_block_ids: its blocks for the request, in token order.
+            local_block_ids: our blocks, in token order.
+            grant: the grant token the serving engine issued for the request.
+            num_tokens: tokens to load (> 0).
+            first_token: first token to load; tokens before it are left alone.
+
+        Raises:
+            ConfigError: bad arguments (nothing started), or the agent is not running.
+        """
+        running = self._running
+        if running is None or self._closed:
+            raise ConfigError("start_read on a TransferAgent that is not running")
+        block_size = self.topology.block_size
+        end_token = first_token + num_tokens
+        local_needed = math.ceil(end_token / block_size) if num_tokens > 0 else 0
+        if (num_tokens < 1 or first_token < 0 or len(local_block_ids) < local_needed
+                or not remote_block_ids):
+            raise ConfigError(
+                f"read {request_id!r}: {num_tokens} tokens from token {first_token} need "
+                f"{local_needed} local blocks (got {len(local_block_ids)}) and a non-empty "
+                f"remote block list (got {len(remote_block_ids)})"
+            )
+        job = ReadJob(
+            request_id, engine_id, host, port, tuple(remote_block_ids),
+            tuple(local_block_ids[:local_needed]), grant, num_tokens, time.monotonic(),
+            first_token=first_token,
+        )
+        running.loop.call_soon_threadsafe(running.reads.submit, job)
+
+    def notify_done(
+        self,
+        request_id: str,
+        *,
+        engine_id: str,
+        host: str,
+        port: int,
+        grant: str,
+        ok: bool = True,
+    ) -> None:
+        """Tell every serving rank this rank would read from that it will not read.
+
+        For a request whose tokens need no transfer (a full local prefix hit) or
+        that was aborted before its read: P counts this rank as a reader that
+        reported (``ok=False``: as one that gave up) and frees sooner than the
+        lease. Returns at once; failures are only logged (P's lease still ends).
+        Nothing is reported in ``get_finished``.
+
+        Args:
+            request_id: for logs.
+            engine_id: the serving engine.
+            host: its host; its rank ``g`` listens on ``port + g``.
+            port: its base port.
+            grant: the grant token it issued for the request.
+            ok: True for "not needed", False for "gave up".
+
+        Raises:
+            ConfigError: the agent is not running.
+        """
+        running = self._running
+        if running is None or self._closed:
+            raise ConfigError("notify_done on a TransferAgent that is not running")
+        job = ReadJob(
+            request_id, engine_id, host, port, (), (), grant, 0, time.monotonic(),
+            notify_only=True, ok=ok,
+        )
+        running.loop.call_soon_threadsafe(running.reads.submit, job)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Return and forget ``(done_sending, done_recving)`` request ids.
+
+        ``done_sending``: requests whose grant was released (all readers done,
+        lease expired or revoked): their blocks may be freed. ``done_recving``:
+        reads that ended, successfully or not (see ``get_failed_block_ids``).
+        """
+        sending = {release.request_id for release in self.grants.drain_released()}
+        for request_id in sending:
+            alias = self._alias_of_request.pop(request_id, None)
+            if alias is not None:
+                self._aliases.pop(alias, None)
+        running = self._running
+        recving = running.reads.take_finished() if running is not None else set()
+        return sending, recving
+
+    def get_failed_block_ids(self) -> dict[str, set[int]]:
+        """Return and forget local block ids that could not be loaded, by request."""
+        running = self._running
+        return running.reads.take_failed() if running is not None else {}
+
+    def get_stats(self) -> list[TransferStats]:
+        """Return and forget per-read statistics of reads that ended."""
+        running = self._running
+        return running.reads.take_stats() if running is not None else []

@@ -1,0 +1,214 @@
+"""Tunables of the transfer agent and the description of one worker's KV cache.
+
+``AgentConfig`` holds every timeout and buffer size (all waits in the agent take
+their deadline from here). ``LocalKV`` checks the worker's registered caches
+against its ``EngineTopology`` and answers what the handshake advertises.
+Both are built by ``TransferAgent`` (``agent.py``) from its constructor arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology
+from kvbridge.transfer import wire
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Timeouts (seconds) and sizes (bytes) of one transfer agent.
+
+    Attributes:
+        connect_timeout_s: UCX connect plus id swap.
+        handshake_timeout_s: each handshake message.
+        reply_timeout_s: a control reply (data header, lease renewal, pong).
+        chunk_timeout_s: one data chunk, from credit to arrival.
+        read_timeout_s: a whole request's read, all ranks together.
+        heartbeat_s: a reader pings an idle link this often; a link silent for
+            ``3 * heartbeat_s`` is dead.
+        server_idle_timeout_s: a server drops a connection silent this long.
+        chunk_nbytes: target bytes per data chunk (at least one block).
+        window_chunks: chunks a reader keeps posted per read (credit window).
+        num_read_slots: reads staged at once (each holds ``window_chunks`` buffers).
+        num_serve_buffers: chunk buffers shared by all reads this agent serves.
+        max_frame_nbytes: largest control frame accepted.
+        lease_s: lease asked for when renewing a grant during a long read.
+        renew_every_s: how often a long read renews its grant.
+        expire_every_s: how often the server expires grants.
+        grant_wait_s: how long the server waits for a grant it has not issued yet
+            (the engine returns the token to D before its workers issue it), before
+            rejecting a read or dropping a done report naming it.
+    """
+
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    reply_timeout_s: float = 10.0
+    chunk_timeout_s: float = 10.0
+    read_timeout_s: float = 120.0
+    heartbeat_s: float = 2.0
+    server_idle_timeout_s: float = 30.0
+    chunk_nbytes: int = 16 << 20
+    window_chunks: int = 2
+    num_read_slots: int = 4
+    num_serve_buffers: int = 4
+    max_frame_nbytes: int = 1 << 20
+    lease_s: float = 30.0
+    renew_every_s: float = 10.0
+    expire_every_s: float = 0.2
+    grant_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"AgentConfig.{f.name} must be finite and > 0, got {value!r}")
+        if self.window_chunks > 64:
+            raise ConfigError(f"AgentConfig.window_chunks must be <= 64, got {self.window_chunks}")
+
+
+class LocalKV:
+    """One worker's registered caches, checked against its topology.
+
+    Args:
+        topology: the local engine's description.
+        tp_rank: this worker's TP rank.
+        pp_rank: this worker's PP rank.
+        layer_caches: one tensor per layer this rank holds, all the same shape:
+            NHD ``[2, num_blocks, block_size, num_heads, head_dim]``, HND
+            ``[2, num_blocks, num_heads, block_size, head_dim]``, MLA
+            ``[num_blocks, block_size, latent_dim]``; contiguous, CPU.
+
+    Raises:
+        ConfigError: a tensor disagrees with the topology or with the others.
+    """
+
+    def __init__(
+        self,
+        topology: EngineTopology,
+        tp_rank: int,
+        pp_rank: int,
+        layer_caches: Sequence[torch.Tensor],
+    ) -> None:
+        self.topology = topology
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.global_rank = topology.global_rank(tp_rank, pp_rank)
+        self.layers = list(layer_caches)
+        num_layers = len(topology.layers_of(pp_rank))
+        if len(self.layers) != num_layers:
+            raise ConfigError(
+                f"rank (tp {tp_rank}, pp {pp_rank}) holds {num_layers} layers, "
+                f"got {len(self.layers)} cache tensors"
+            )
+        first = self.layers[0]
+        for index, layer in enumerate(self.layers):
+            if layer.shape != first.shape or layer.dtype != first.dtype:
+                raise ConfigError(
+                    f"layer {index} cache {tuple(layer.shape)} {layer.dtype} differs from "
+                    f"layer 0 {tuple(first.shape)} {first.dtype}"
+                )
+            if not layer.is_contiguous():
+                raise ConfigError(f"layer {index} cache is not contiguous")
+        self.num_heads = topology.num_heads_per_rank
+        if topology.is_mla:
+            expected_rank, (num_blocks, block_size, head_dim) = 3, tuple(first.shape[-3:])
+        else:
+            expected_rank = 5
+            if first.dim() != 5 or first.shape[0] != 2:
+                raise ConfigError(f"expected a [2, ...] 5-D K/V cache, got {tuple(first.shape)}")
+            _, num_blocks, a, b, head_dim = first.shape
+            block_size, heads = (a, b) if topology.layout is KVLayout.NHD else (b, a)
+            if heads != self.num_heads:
+                raise ConfigError(
+                    f"cache holds {heads} heads, topology says {self.num_heads} per rank"
+                )
+        if first.dim() != expected_rank or block_size != topology.block_size:
+            raise ConfigError(
+                f"cache shape {tuple(first.shape)} does not match block size "
+                f"{topology.block_size} ({'MLA' if topology.is_mla else topology.layout})"
+            )
+        self.num_blocks = int(num_blocks)
+        self.head_dim = int(head_dim)
+        self.elem_nbytes = first.element_size()
+        self.dtype = str(first.dtype).removeprefix("torch.")
+        # One block of one layer: the MLA latent rows, or its K plane plus its V plane.
+        plane_numel = first[0].numel() if topology.is_mla else 2 * first[0, 0].numel()
+        self.block_nbytes = plane_numel * self.elem_nbytes
+
+    def metadata(self, engine_id: str, proof: bytes | None) -> wire.AgentMetadata:
+        """The handshake's description of this rank."""
+        topo = self.topology
+        return wire.AgentMetadata(
+            engine_id=engine_id,
+            tp_size=topo.tp_size,
+            pp_size=topo.pp_size,
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
+            block_size=topo.block_size,
+            layout=str(topo.layout),
+            num_blocks=self.num_blocks,
+            num_layers=len(self.layers),
+            num_model_layers=topo.num_layers,
+            layer_block_nbytes=[self.block_nbytes] * len(self.layers),
+            num_kv_heads=topo.num_kv_heads,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            elem_nbytes=self.elem_nbytes,
+            is_mla=topo.is_mla,
+            proof=proof,
+        )
+
+
+def topology_info(topology: EngineTopology) -> wire.TopologyInfo:
+    """The handshake form of an engine's topology (sent by readers in ``Hello``)."""
+    return wire.TopologyInfo(
+        tp_size=topology.tp_size,
+        pp_size=topology.pp_size,
+        block_size=topology.block_size,
+        num_kv_heads=topology.num_kv_heads,
+        is_mla=topology.is_mla,
+        layout=str(topology.layout),
+        num_layers=topology.num_layers,
+    )
+
+
+def topology_from_info(info: wire.TopologyInfo) -> EngineTopology:
+    """Rebuild a reader's topology from its ``Hello``.
+
+    Raises:
+        ConfigError: the values are inconsistent (a peer bug or attack).
+        ValueError: unknown layout name.
+    """
+    return EngineTopology(
+        tp_size=info.tp_size,
+        pp_size=info.pp_size,
+        block_size=info.block_size,
+        num_kv_heads=info.num_kv_heads,
+        is_mla=info.is_mla,
+        layout=KVLayout.parse(info.layout),
+        num_layers=info.num_layers,
+    )
+
+
+def topology_of(meta: wire.AgentMetadata) -> EngineTopology:
+    """Rebuild a peer engine's topology from its handshake metadata.
+
+    Raises:
+        ConfigError: the metadata is inconsistent (a peer bug or attack).
+    """
+    return EngineTopology(
+        tp_size=meta.tp_size,
+        pp_size=meta.pp_size,
+        block_size=meta.block_size,
+        num_kv_heads=meta.num_kv_heads,
+        is_mla=meta.is_mla,
+        layout=KVLayout.parse(meta.layout),
+        num_layers=meta.num_model_layers,
+    )

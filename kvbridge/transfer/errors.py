@@ -1,0 +1,53 @@
+"""Typed errors of the transfer layer.
+
+Raised by :mod:`kvbridge.transfer.ucx` (network waits), :mod:`kvbridge.transfer.wire`
+(decoding peer bytes) and the agent (handshake, grants). The agent turns each of
+them into failed block ids for the request concerned; none of them is fatal to the
+agent, which keeps serving other peers.
+
+Hierarchy::
+
+    KVBridgeError
+      TransferError
+        PeerTimeoutError      a network wait passed its deadline
+        PeerClosedError       the peer said goodbye, or the connection was aborted
+        PeerUnreachableError  no connection could be made
+        ProtocolError         malformed, truncated, oversized or unexpected bytes
+        RejectedError         the peer refused us with a reason code
+"""
+
+from __future__ import annotations
+
+from kvbridge.errors import KVBridgeError
+
+
+class TransferError(KVBridgeError):
+    """Base class of every transfer failure."""
+
+
+class PeerTimeoutError(TransferError):
+    """A network wait (connect, send, receive, reply) passed its deadline."""
+
+
+class PeerClosedError(TransferError):
+    """The connection was closed by the peer or aborted locally."""
+
+
+class PeerUnreachableError(TransferError):
+    """A connection to the peer could not be set up."""
+
+
+class ProtocolError(TransferError):
+    """A peer sent bytes that do not form a valid, expected message."""
+
+
+class RejectedError(TransferError):
+    """The peer answered with a ``Reject`` message.
+
+    Attributes:
+        reason: the peer's reason code (a ``wire.RejectReason`` value).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"rejected ({reason}): {message}")
+        self.reason = reason

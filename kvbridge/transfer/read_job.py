@@ -1,0 +1,234 @@
+"""Reads in flight on the reading side: plans, links to remote ranks, outcomes.
+
+``Reads`` lives on the agent's event loop (``agent.py`` submits jobs with
+``call_soon_threadsafe``); the engine thread collects outcomes through the
+``take_*`` methods, which are guarded by a lock. One job = one request from
+one remote engine::
+
+    link to remote rank 0 (learn its topology) -> build_read_plan
+    -> for each plan item, in parallel: link to that rank -> read (or notify only)
+       -> ReadDone(ok) to that rank
+    -> outcome: done, or failed with every local block id of the request
+
+A notify-only job (``ReadJob.notify_only``) plans the same way but only sends
+``ReadDone`` to every planned rank; it has no outcome to collect.
+
+Links are cached per (engine, rank) and reopened, with a fresh handshake and
+fresh metadata, after they die; concurrent jobs share one connection attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.topology import RemoteRead, build_read_plan
+from kvbridge.transfer.config import topology_of
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.reader import ItemResult, PeerLink, ReaderContext
+from kvbridge.transfer.ucx import UcxWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadJob:
+    """One ``start_read`` call (validated by the agent)."""
+
+    request_id: str
+    engine_id: str
+    host: str
+    base_port: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    grant: str
+    num_tokens: int
+    submitted_at: float
+    first_token: int = 0
+    notify_only: bool = False  # send ReadDone(ok) to every planned rank, read nothing
+    ok: bool = True  # the ReadDone flag of a notify-only job
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one read cost.
+
+    Attributes:
+        request_id: the request.
+        ok: all items succeeded.
+        nbytes: KV bytes received.
+        duration_s: from ``start_read`` to the outcome.
+        num_messages: control messages and data chunks exchanged.
+        num_remote_ranks: remote ranks contacted.
+        error: the first failure, empty when ok.
+    """
+
+    request_id: str
+    ok: bool
+    nbytes: int
+    duration_s: float
+    num_messages: int
+    num_remote_ranks: int
+    error: str = ""
+
+
+class Reads:
+    """Jobs in flight and their outcomes (see the module docstring)."""
+
+    def __init__(self, ctx: ReaderContext, worker: UcxWorker, reader_id: str) -> None:
+        self._ctx = ctx
+        self._worker = worker
+        self.reader_id = reader_id
+        self._links: dict[tuple[str, int], PeerLink] = {}
+        self._opening: dict[tuple[str, int], asyncio.Task[PeerLink]] = {}
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._failed: dict[str, set[int]] = {}
+        self._stats: list[TransferStats] = []
+
+    # ---------------------------------------------------------------- engine thread
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+            return finished
+
+    def take_failed(self) -> dict[str, set[int]]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+            return failed
+
+    def take_stats(self) -> list[TransferStats]:
+        with self._lock:
+            stats, self._stats = self._stats, []
+            return stats
+
+    # ---------------------------------------------------------------- loop thread
+    def submit(self, job: ReadJob) -> None:
+        task = asyncio.create_task(self._run(job))
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _link(self, job: ReadJob, rank: int) -> PeerLink:
+        key = (job.engine_id, rank)
+        link = self._links.get(key)
+        if link is not None and link.alive:
+            return link
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = asyncio.create_task(
+                PeerLink.open(
+                    self._ctx, self._worker, job.host, job.base_port + rank, job.engine_id, rank
+                )
+            )
+            self._opening[key] = opening
+            opening.add_done_callback(lambda _: self._opening.pop(key, None))
+        link = await asyncio.shield(opening)
+        self._links[key] = link
+        return link
+
+    async def _run(self, job: ReadJob) -> None:
+        results: list[ItemResult] = []
+        errors: list[BaseException] = []
+        num_ranks = 0
+        try:
+            async with asyncio.timeout(self._ctx.config.read_timeout_s):
+                first = await self._link(job, 0)
+                plan = build_read_plan(
+                    self._ctx.local.topology, self._ctx.local.tp_rank, self._ctx.local.pp_rank,
+                    topology_of(first.meta), job.engine_id,
+                )
+                num_ranks = len(plan.items)
+                outcomes = await asyncio.gather(
+                    *(self._run_item(job, item) for item in plan.items), return_exceptions=True
+                )
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    errors.append(outcome)
+                elif outcome is not None:
+                    results.append(outcome)
+        except (TransferError, KVBridgeError, TimeoutError) as exc:
+            errors.append(exc)
+        except Exception as exc:  # a bug must still end the request, never hang it
+            logger.exception("read %s crashed", job.request_id)
+            errors.append(exc)
+        self._record(job, results, errors, num_ranks)
+
+    async def _run_item(self, job: ReadJob, item: RemoteRead) -> ItemResult | None:
+        link = await self._link(job, item.remote_rank)
+        if job.notify_only or not item.read:
+            await link.notify(job.grant, self.reader_id, job.ok)
+            return None
+        renewer = asyncio.create_task(self._renew_while_reading(link, job.grant))
+        try:
+            result = await link.read(
+                item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
+                job.first_token,
+            )
+        except BaseException:
+            if link.alive:
+                with contextlib.suppress(TransferError):
+                    await link.notify(job.grant, self.reader_id, False)
+            raise
+        finally:
+            renewer.cancel()
+        await link.notify(job.grant, self.reader_id, True)
+        return result
+
+    async def _renew_while_reading(self, link: PeerLink, grant: str) -> None:
+        cfg = self._ctx.config
+        while True:
+            await asyncio.sleep(cfg.renew_every_s)
+            try:
+                remaining = await link.renew(grant, cfg.lease_s)
+                logger.debug("renewed grant for %.1fs", remaining)
+            except TransferError as exc:
+                logger.info("lease renewal failed: %s", exc)
+                return
+
+    def _record(
+        self, job: ReadJob, results: list[ItemResult], errors: list[BaseException], num_ranks: int
+    ) -> None:
+        ok = not errors
+        if job.notify_only:
+            if errors:
+                logger.info("done notice for %s to %s not delivered: %s",
+                            job.request_id, job.engine_id, errors[0])
+            return
+        if errors:
+            logger.warning("read %s from %s failed: %s", job.request_id, job.engine_id, errors[0])
+        stats = TransferStats(
+            request_id=job.request_id,
+            ok=ok,
+            nbytes=sum(r.nbytes for r in results),
+            duration_s=time.monotonic() - job.submitted_at,
+            num_messages=sum(r.num_messages for r in results) + num_ranks,
+            num_remote_ranks=num_ranks,
+            error="" if ok else f"{type(errors[0]).__name__}: {errors[0]}",
+        )
+        with self._lock:
+            self._finished.add(job.request_id)
+            if not ok:
+                # blocks holding read tokens; earlier ones were not touched
+                first_block = job.first_token // self._ctx.local.topology.block_size
+                self._failed[job.request_id] = set(job.local_block_ids[first_block:])
+            self._stats.append(stats)
+
+    def abort_all(self) -> None:
+        """Cancel every job and drop every link without goodbyes."""
+        for task in self._jobs:
+            task.cancel()
+        for link in self._links.values():
+            link.abort()
+
+    async def close(self) -> None:
+        """Cancel jobs, then close every link gracefully."""
+        for task in list(self._jobs):
+            task.cancel()
+        await asyncio.gather(*self._jobs, return_exceptions=True)
+        await asyncio.gather(*(link.close() for link in self._links.values()))

@@ -1,0 +1,375 @@
+"""The reading half of a transfer agent: one ``PeerLink`` per remote rank.
+
+``agent.py`` opens a link the first time it reads from a remote (engine, rank),
+keeps it while it is healthy, and opens a new one (with a new handshake and
+fresh metadata) once it died. A link runs two tasks: a dispatcher that
+receives every control message and hands replies to their waiters, and a
+heartbeat that pings when the link is idle. A link silent for three heartbeats,
+or any protocol violation, kills the link: every read on it fails at once.
+
+Reading one plan item (``read``)::
+
+    ReadRequest -> DataHeader (sizes checked) -> take window buffers
+    -> post receives for chunks 0..w-1 -> Credit(w)
+    -> for each chunk i: wait; unpack (executor thread, overlaps the next
+       chunk on the wire); repost the buffer for chunk i+w; Credit(i+w+1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbridge.errors import ConfigError
+from kvbridge.kernels import WireFormat, unpack
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology, RemoteRead
+from kvbridge.transfer import wire
+from kvbridge.transfer.config import AgentConfig, LocalKV
+from kvbridge.transfer.errors import (
+    PeerClosedError,
+    PeerTimeoutError,
+    ProtocolError,
+    RejectedError,
+    TransferError,
+)
+from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.server import channel_of
+from kvbridge.transfer.staging import Buffer, BufferPool
+from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReaderContext:
+    """What every link of one agent shares (owned by the agent)."""
+
+    me: Identity
+    local: LocalKV
+    config: AgentConfig
+    pool: BufferPool
+    executor: Executor
+    codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
+
+
+@dataclass(slots=True)
+class ItemResult:
+    """Counters of one finished plan item."""
+
+    nbytes: int
+    num_messages: int
+
+
+class PeerLink:
+    """A handshaked connection to one remote rank. Create with :meth:`open`."""
+
+    def __init__(self, ctx: ReaderContext, conn: UcxConnection, meta: wire.AgentMetadata) -> None:
+        self._ctx = ctx
+        self._conn = conn
+        self.meta = meta
+        self._waiters: dict[tuple[str, int], asyncio.Future[wire.Message]] = {}
+        self._xfer_ids = itertools.count(1)
+        self._ping_seq = itertools.count(1)
+        self._error: TransferError | None = None
+        self._tasks = [
+            asyncio.create_task(self._dispatch()),
+            asyncio.create_task(self._heartbeat()),
+        ]
+
+    @classmethod
+    async def open(
+        cls, ctx: ReaderContext, worker: UcxWorker, host: str, port: int, engine_id: str, rank: int
+    ) -> PeerLink:
+        """Connect and handshake with ``engine_id`` rank ``rank`` at ``host:port``.
+
+        Raises:
+            PeerUnreachableError, PeerTimeoutError, RejectedError, ProtocolError.
+        """
+        cfg = ctx.config
+        conn = await worker.connect(host, port, timeout_s=cfg.connect_timeout_s)
+        try:
+            meta = await reader_handshake(
+                conn, ctx.codec, ctx.me, engine_id, rank,
+                max_nbytes=cfg.max_frame_nbytes, timeout_s=cfg.handshake_timeout_s,
+            )
+        except BaseException:
+            conn.abort()
+            raise
+        return cls(ctx, conn, meta)
+
+    @property
+    def alive(self) -> bool:
+        """False once the link failed or was closed."""
+        return self._error is None and not self._conn.closed
+
+    def _fail(self, error: TransferError) -> None:
+        if self._error is None:
+            self._error = error
+            logger.info("link to %s failed: %s", self._conn.peer, error)
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(self._error)
+        self._waiters.clear()
+        self._conn.abort()
+
+    async def _dispatch(self) -> None:
+        cfg, codec = self._ctx.config, self._ctx.codec
+        try:
+            while True:
+                msg = await recv_msg(self._conn, codec, cfg.max_frame_nbytes, 3 * cfg.heartbeat_s)
+                match msg:
+                    case wire.DataHeader(xfer_id=xfer_id):
+                        self._resolve(("data", xfer_id), msg)
+                    case wire.Reject(xfer_id=0, reason=reason, message=text):
+                        raise RejectedError(reason, text)
+                    case wire.Reject(xfer_id=xfer_id):
+                        self._resolve(("data", xfer_id), msg)
+                    case wire.LeaseRenewed(grant=token):
+                        self._resolve(("renew", hash(token)), msg)
+                    case wire.Pong():
+                        pass
+                    case wire.Bye(reason=reason):
+                        raise PeerClosedError(f"{self._conn.peer} said goodbye: {reason}")
+                    case _:
+                        raise ProtocolError(f"unexpected {type(msg).__name__} from a server")
+        except TransferError as exc:
+            self._fail(exc)
+
+    def _resolve(self, key: tuple[str, int], msg: wire.Message) -> None:
+        future = self._waiters.pop(key, None)
+        if future is None or future.done():
+            logger.debug("no waiter for %s from %s", key, self._conn.peer)
+            return
+        future.set_result(msg)
+
+    async def _heartbeat(self) -> None:
+        cfg = self._ctx.config
+        try:
+            while self.alive:
+                await asyncio.sleep(cfg.heartbeat_s)
+                await self._send(wire.Ping(next(self._ping_seq)))
+        except TransferError as exc:
+            self._fail(exc)
+
+    async def _send(self, msg: wire.Message) -> None:
+        if self._error is not None:
+            raise self._error
+        await send_msg(self._conn, self._ctx.codec, msg, self._ctx.config.reply_timeout_s)
+
+    async def _request(self, key: tuple[str, int], msg: wire.Message) -> wire.Message:
+        if self._error is not None:
+            raise self._error
+        future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = future
+        await self._send(msg)
+        try:
+            async with asyncio.timeout(self._ctx.config.reply_timeout_s):
+                reply = await future
+        except TimeoutError:
+            self._fail(PeerTimeoutError(f"no reply to {type(msg).__name__} from {self._conn.peer}"))
+            raise self._error from None  # type: ignore[misc]
+        if isinstance(reply, wire.Reject):
+            raise RejectedError(reply.reason, reply.message)
+        return reply
+
+    async def notify(self, grant: str, reader_id: str, ok: bool) -> None:
+        """Tell the server this reader is done with ``grant`` (``ok=False``: gave up)."""
+        await self._send(wire.ReadDone(grant, reader_id, ok))
+
+    async def renew(self, grant: str, lease_s: float) -> float:
+        """Extend the grant's lease; return the seconds the server now grants."""
+        reply = await self._request(("renew", hash(grant)), wire.RenewLease(grant, lease_s))
+        assert isinstance(reply, wire.LeaseRenewed)
+        return reply.remaining_s
+
+    async def read(
+        self,
+        item: RemoteRead,
+        grant: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        num_tokens: int,
+        first_token: int = 0,
+    ) -> ItemResult:
+        """Pull one plan item's heads and layers of the request into the local cache.
+
+        Tokens ``[first_token, first_token + num_tokens)`` are read; the remote
+        blocks covering them are sent whole and the tokens before ``first_token``
+        in the first of them are skipped on unpack (see ``_TokenWindow``).
+
+        Raises:
+            RejectedError: the server refused the read (grant unknown/expired, ...).
+            ProtocolError: the server's sizes disagree with ours (link killed).
+            PeerTimeoutError, PeerClosedError: the server went silent or away.
+        """
+        ctx, meta = self._ctx, self.meta
+        wire_fmt = WireFormat(
+            layout=KVLayout.parse(meta.layout), block_size=meta.block_size,
+            num_heads=len(item.remote_heads), head_dim=meta.head_dim,
+            elem_nbytes=meta.elem_nbytes, num_layers=len(item.remote_layers), is_mla=meta.is_mla,
+        )
+        tokens = _TokenWindow(first_token, num_tokens, meta.block_size, ctx.local.topology)
+        block_ids = list(remote_block_ids[tokens.first_remote_block : tokens.end_remote_block])
+        num_blocks = len(block_ids)
+        if num_blocks != tokens.end_remote_block - tokens.first_remote_block:
+            raise ConfigError(
+                f"{len(remote_block_ids)} remote block ids of {meta.block_size} tokens do not "
+                f"cover tokens [{first_token}, {first_token + num_tokens})"
+            )
+        chunk_blocks = max(1, ctx.config.chunk_nbytes // wire_fmt.block_nbytes)
+        num_chunks = math.ceil(num_blocks / chunk_blocks)
+        xfer_id = next(self._xfer_ids) % wire.MAX_XFER_ID + 1
+        request = wire.ReadRequest(
+            xfer_id, grant, block_ids, item.remote_heads.start, item.remote_heads.stop,
+            item.remote_layers.start, item.remote_layers.stop, chunk_blocks,
+        )
+        header = await self._request(("data", xfer_id), request)
+        assert isinstance(header, wire.DataHeader)
+        if (header.num_chunks, header.total_nbytes) != (num_chunks, wire_fmt.nbytes(num_blocks)):
+            error = ProtocolError(
+                f"server plans {header.num_chunks} chunks / {header.total_nbytes} bytes, "
+                f"expected {num_chunks} / {wire_fmt.nbytes(num_blocks)}"
+            )
+            self._fail(error)
+            raise error
+        window = min(ctx.config.window_chunks, num_chunks, ctx.pool.num_buffers)
+        chunk_nbytes = chunk_blocks * wire_fmt.block_nbytes
+        bufs = await ctx.pool.acquire(chunk_nbytes, window, timeout_s=ctx.config.chunk_timeout_s)
+        receiver = _ChunkReceiver(self, ctx, xfer_id, wire_fmt, bufs, num_blocks, chunk_blocks)
+        try:
+            await receiver.run(item, local_block_ids, tokens)
+        except BaseException:
+            receiver.give_back(broken=True)
+            raise
+        receiver.give_back(broken=False)
+        return ItemResult(wire_fmt.nbytes(num_blocks), 3 + 2 * num_chunks)
+
+    def abort(self) -> None:
+        """Drop the link now; reads on it fail. Idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        self._fail(PeerClosedError("link aborted locally"))
+
+    async def close(self) -> None:
+        """Say goodbye and close. Idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._error is None:
+            self._error = PeerClosedError("link closed locally")
+        await self._conn.close(self._ctx.codec.encode(wire.Bye("closing")), timeout_s=0.5)
+
+
+class _TokenWindow:
+    """Where the read tokens sit in the received buffer and in the local blocks.
+
+    The buffer holds whole remote blocks from ``first_remote_block`` on; buffer
+    token ``u`` is request token ``first_remote_block * remote_bs + u``::
+
+        request tokens  0 ............ first ................. end
+        buffer          |  r  |  r  |  r  |  r  |             (whole remote blocks)
+                                 <skip>^
+        local blocks    |  l  |  l  |  l  |  l  |  l  |  l  | (local_block_ids)
+
+    Buffer tokens ``[skip, skip + num_tokens)`` are written, to local position
+    ``first - first_local_block * local_bs + (u - skip)`` of the local blocks
+    from ``first_local_block`` on.
+    """
+
+    def __init__(
+        self, first_token: int, num_tokens: int, remote_block_size: int, local: EngineTopology
+    ) -> None:
+        end = first_token + num_tokens
+        self.num_tokens = num_tokens
+        self.first_remote_block = first_token // remote_block_size
+        self.end_remote_block = -(-end // remote_block_size)
+        self.skip = first_token - self.first_remote_block * remote_block_size
+        self.first_local_block = first_token // local.block_size
+        self.local_offset = first_token - self.first_local_block * local.block_size
+
+    def in_chunk(self, first_buffer_token: int, num_buffer_tokens: int) -> tuple[int, int, int]:
+        """``(src_token_offset, num_tokens, token_offset)`` for one chunk's unpack."""
+        low = max(first_buffer_token, self.skip)
+        high = min(first_buffer_token + num_buffer_tokens, self.skip + self.num_tokens)
+        return low - first_buffer_token, max(0, high - low), self.local_offset + low - self.skip
+
+
+class _ChunkReceiver:
+    """Posts, awaits and unpacks the chunks of one read through a window of buffers."""
+
+    def __init__(
+        self, link: PeerLink, ctx: ReaderContext, xfer_id: int, wire_fmt: WireFormat,
+        bufs: list[Buffer], num_blocks: int, chunk_blocks: int,
+    ) -> None:
+        self.link, self.ctx, self.xfer_id, self.wire_fmt = link, ctx, xfer_id, wire_fmt
+        self.bufs, self.num_blocks, self.chunk_blocks = bufs, num_blocks, chunk_blocks
+        self.num_chunks = math.ceil(num_blocks / chunk_blocks)
+
+    def _blocks_in(self, chunk: int) -> int:
+        return min(self.chunk_blocks, self.num_blocks - chunk * self.chunk_blocks)
+
+    def _post(self, chunk: int) -> asyncio.Future[None]:
+        buf = self.bufs[chunk % len(self.bufs)]
+        nbytes = self.wire_fmt.nbytes(self._blocks_in(chunk))
+        return self.link._conn.post_recv(buf[:nbytes], channel_of(self.xfer_id, chunk))
+
+    async def run(
+        self, item: RemoteRead, local_block_ids: Sequence[int], tokens: _TokenWindow
+    ) -> None:
+        cfg, local = self.ctx.config, self.ctx.local
+        window = len(self.bufs)
+        posted = {chunk: self._post(chunk) for chunk in range(window)}
+        await self.link._send(wire.Credit(self.xfer_id, window))
+        layers = local.layers[item.local_layers.start : item.local_layers.stop]
+        local_ids = list(local_block_ids[tokens.first_local_block :])
+        block_tokens = self.chunk_blocks * self.wire_fmt.block_size
+        loop = asyncio.get_running_loop()
+        for chunk in range(self.num_chunks):
+            arrived = posted.pop(chunk)
+            await self.link._conn.wait(arrived, timeout_s=cfg.chunk_timeout_s, what="chunk")
+            buf = self.bufs[chunk % window]
+            blocks = self._blocks_in(chunk)
+            src_offset, chunk_tokens, token_offset = tokens.in_chunk(
+                chunk * block_tokens, blocks * self.wire_fmt.block_size
+            )
+            staged = torch.from_numpy(buf[: self.wire_fmt.nbytes(blocks)])
+            await loop.run_in_executor(
+                self.ctx.executor, _unpack, staged, self.wire_fmt, blocks, layers, local_ids,
+                local.topology.layout, item.local_head_offset, chunk_tokens, token_offset,
+                src_offset,
+            )
+            following = chunk + window
+            if following < self.num_chunks:
+                posted[following] = self._post(following)
+                await self.link._send(wire.Credit(self.xfer_id, following + 1))
+
+    def give_back(self, *, broken: bool) -> None:
+        for buf in self.bufs:
+            if broken:
+                self.ctx.pool.discard()  # a receive may still land in it
+            else:
+                self.ctx.pool.release(buf)
+        if broken:
+            self.link._fail(PeerClosedError("read abandoned with receives posted"))
+
+
+def _unpack(
+    staged: torch.Tensor, wire_fmt: WireFormat, num_blocks: int, layers: list[torch.Tensor],
+    local_ids: list[int], layout: KVLayout, head_offset: int, num_tokens: int, token_offset: int,
+    src_token_offset: int,
+) -> None:
+    if num_tokens == 0:
+        return
+    unpack(
+        staged, wire_fmt, num_blocks, layers, local_ids, layout,
+        head_offset=head_offset, num_tokens=num_tokens, token_offset=token_offset,
+        src_token_offset=src_token_offset,
+    )

@@ -1,0 +1,339 @@
+"""The serving half of a transfer agent: one session per accepted connection.
+
+``serve_connection`` is the listener's connect handler (``agent.py`` passes it to
+``UcxWorker.listen``). A session handshakes, then dispatches control messages
+until the reader leaves, goes silent, or misbehaves. Any bad message ends only
+that session (logged, typed ``Reject`` when there is something useful to say);
+the agent goes on serving everyone else.
+
+Serving one read (``ReadRequest`` with a grant)::
+
+    check heads/layers/chunking -> wait (<= grant_wait_s) for a grant not issued yet
+    -> fix its reader count from the Hello's topology -> grants.begin_read (pins it)
+    -> DataHeader -> for each chunk i: wait for Credit > i, take a staging
+    buffer, pack (executor thread), send on channel (xfer_id, i)
+    -> grants.end_read
+
+The engine hands the grant token to D before its workers have issued it (the
+token travels in the HTTP answer while the next engine step issues it), so a
+read or done report naming an unknown token waits up to ``grant_wait_s`` for it.
+The number of readers to expect is only known once D's first reader says who it
+is: each session computes it from its Hello (``num_expected_readers``) and fixes
+it on every grant it touches that was issued without one.
+
+Credits make the reader post its receive before the server sends, so a staging
+buffer is never held waiting on a reader that is itself waiting for buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbridge.errors import ConfigError
+from kvbridge.kernels import pack
+from kvbridge.topology import num_expected_readers
+from kvbridge.transfer import grants as grant_errors
+from kvbridge.transfer import wire
+from kvbridge.transfer.clock import Clock
+from kvbridge.transfer.config import AgentConfig, LocalKV, topology_from_info
+from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
+from kvbridge.transfer.grants import GrantTable
+from kvbridge.transfer.handshake import Identity, recv_msg, reject, send_msg, serve_handshake
+from kvbridge.transfer.staging import Buffer, BufferPool
+from kvbridge.transfer.ucx import UcxConnection
+
+logger = logging.getLogger(__name__)
+
+R = wire.RejectReason
+_GRANT_POLL_S = 0.005
+_GRANT_REASONS: list[tuple[type[Exception], wire.RejectReason]] = [
+    (grant_errors.ExpiredGrantError, R.EXPIRED_GRANT),
+    (grant_errors.UnknownGrantError, R.UNKNOWN_GRANT),
+    (grant_errors.BlockNotGrantedError, R.NOT_GRANTED),
+]
+
+
+def channel_of(xfer_id: int, chunk: int) -> int:
+    """UCX channel of one data chunk: ``[xfer_id : 20][chunk : 16]``."""
+    return (xfer_id << 16) | chunk
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """What every session of one agent shares (owned by the agent)."""
+
+    me: Identity
+    local: LocalKV
+    grants: GrantTable
+    config: AgentConfig
+    pool: BufferPool
+    executor: Executor
+    clock: Clock
+    # Tokens chosen by the engine (shared by all its ranks) -> this table's own.
+    aliases: dict[str, str] = field(default_factory=dict)
+    codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
+    reports: set[asyncio.Task[None]] = field(default_factory=set)  # done reports waiting
+    num_bytes_served: int = 0
+    num_reads_served: int = 0
+
+
+class _Read:
+    """Credit state of one read being served."""
+
+    def __init__(self) -> None:
+        self.credit = 0
+        self.changed = asyncio.Event()
+
+    def grant_credit(self, num_chunks: int) -> None:
+        if num_chunks > self.credit:
+            self.credit = num_chunks
+            self.changed.set()
+
+    async def wait_credit(self, num_chunks: int, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.credit < num_chunks:
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            raise PeerTimeoutError(
+                f"no credit for chunk {num_chunks - 1} in {timeout_s}s"
+            ) from None
+
+
+def _expected_readers(ctx: ServerContext, hello: wire.Hello) -> int:
+    """Readers of the hello's engine that will report to this rank (1 without a topology).
+
+    Raises:
+        ConfigError: the reader's topology is invalid or cannot pair with ours.
+    """
+    if hello.topology is None:
+        return 1
+    try:
+        reader = topology_from_info(hello.topology)
+    except ValueError as exc:  # ConfigError is one; an unknown layout name another
+        raise ConfigError(f"bad reader topology: {exc}") from None
+    local = ctx.local
+    return num_expected_readers(reader, local.topology, local.tp_rank, local.pp_rank)
+
+
+async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str:
+    """The table token a reader's grant ``name`` stands for, waiting for it to be issued.
+
+    Returns the token as soon as the table knows it (live or released), else after
+    ``grant_wait_s`` (the caller's grant call then raises ``UnknownGrantError``).
+    A live grant issued without a reader count gets ``num_readers``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ctx.config.grant_wait_s
+    token = ctx.aliases.get(name, name)
+    while not ctx.grants.is_known(token) and loop.time() < deadline:
+        await asyncio.sleep(_GRANT_POLL_S)
+        token = ctx.aliases.get(name, name)
+    # unknown or released: the grant call that follows says so
+    with contextlib.suppress(grant_errors.GrantError):
+        ctx.grants.set_expected_readers(token, num_readers)
+    return token
+
+
+async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
+    """Run one session to its end; never raises (failures are logged)."""
+    reads: dict[int, _Read] = {}
+    tasks: set[asyncio.Task[None]] = set()
+    cfg = ctx.config
+    try:
+        metadata = ctx.local.metadata(ctx.me.engine_id, None)
+        hello = await serve_handshake(
+            conn, ctx.codec, ctx.me, metadata,
+            max_nbytes=cfg.max_frame_nbytes, timeout_s=cfg.handshake_timeout_s,
+        )
+        if hello is None:
+            return
+        try:
+            num_readers = _expected_readers(ctx, hello)
+        except ConfigError as exc:
+            await reject(conn, ctx.codec, R.BAD_REQUEST, str(exc))
+            return
+        logger.debug("session with %s rank %d on %s (%d readers)", hello.engine_id,
+                     hello.rank, conn.peer, num_readers)
+        while True:
+            msg = await recv_msg(conn, ctx.codec, cfg.max_frame_nbytes, cfg.server_idle_timeout_s)
+            match msg:
+                case wire.ReadRequest():
+                    if msg.xfer_id in reads:
+                        raise ProtocolError(f"xfer id {msg.xfer_id} reused while in flight")
+                    reads[msg.xfer_id] = _Read()
+                    task = asyncio.create_task(_serve_read(ctx, conn, msg, reads, num_readers))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                case wire.Credit(xfer_id=xfer_id, num_chunks=num_chunks):
+                    if xfer_id in reads:  # else: a read that already failed
+                        reads[xfer_id].grant_credit(num_chunks)
+                case wire.ReadDone(grant=token, reader_id=reader_id, ok=ok):
+                    # Not cancelled with the session: a reader may say goodbye right
+                    # after its report, and the report must still count.
+                    report = asyncio.create_task(
+                        _reader_done(ctx, token, reader_id, ok, num_readers)
+                    )
+                    ctx.reports.add(report)
+                    report.add_done_callback(ctx.reports.discard)
+                case wire.RenewLease(grant=token, lease_s=lease_s):
+                    await _renew(ctx, conn, token, lease_s)
+                case wire.Ping(seq=seq):
+                    await send_msg(conn, ctx.codec, wire.Pong(seq), cfg.reply_timeout_s)
+                case wire.Bye():
+                    return
+                case _:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from a reader")
+    except ProtocolError as exc:
+        logger.warning("dropping %s: %s", conn.peer, exc)
+        await reject(conn, ctx.codec, R.BAD_REQUEST, str(exc))
+    except TransferError as exc:
+        logger.info("session with %s ended: %s", conn.peer, exc)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        conn.abort()
+
+
+async def _reader_done(
+    ctx: ServerContext, name: str, reader_id: str, ok: bool, num_readers: int
+) -> None:
+    token = await _resolve_grant(ctx, name, num_readers)
+    try:
+        if ok:
+            ctx.grants.reader_done(token, reader_id)
+        else:
+            ctx.grants.reader_failed(token, reader_id)
+    except grant_errors.GrantError as exc:  # e.g. a long-forgotten grant: nothing to do
+        logger.info("done report from %s ignored: %s", reader_id, exc)
+
+
+async def _renew(ctx: ServerContext, conn: UcxConnection, token: str, lease_s: float) -> None:
+    try:
+        expires_at = ctx.grants.renew(ctx.aliases.get(token, token), lease_s)
+    except grant_errors.GrantError as exc:
+        await reject(conn, ctx.codec, _grant_reason(exc), str(exc))
+        return
+    remaining = max(0.0, expires_at - ctx.clock.now())
+    reply = wire.LeaseRenewed(token, remaining)
+    await send_msg(conn, ctx.codec, reply, ctx.config.reply_timeout_s)
+
+
+def _grant_reason(exc: Exception) -> wire.RejectReason:
+    for kind, reason in _GRANT_REASONS:
+        if isinstance(exc, kind):
+            return reason
+    return R.BAD_REQUEST
+
+
+def _check_request(local: LocalKV, req: wire.ReadRequest, max_chunk_nbytes: int) -> str | None:
+    """Return what is wrong with ``req`` for this rank, or None."""
+    if not 0 <= req.head_start < req.head_end <= local.num_heads:
+        return f"heads [{req.head_start}, {req.head_end}) outside [0, {local.num_heads})"
+    if not 0 <= req.layer_start < req.layer_end <= len(local.layers):
+        return f"layers [{req.layer_start}, {req.layer_end}) outside [0, {len(local.layers)})"
+    bad = [b for b in req.block_ids if b >= local.num_blocks]
+    if bad:
+        return f"block ids {bad[:8]} outside [0, {local.num_blocks})"
+    chunk_nbytes = req.chunk_blocks * _block_nbytes(local, req)
+    if req.chunk_blocks > 1 and chunk_nbytes > max_chunk_nbytes:
+        return f"chunk of {chunk_nbytes} bytes > limit {max_chunk_nbytes}"
+    if math.ceil(len(req.block_ids) / req.chunk_blocks) > wire.MAX_CHUNKS:
+        return f"more than {wire.MAX_CHUNKS} chunks"
+    return None
+
+
+def _block_nbytes(local: LocalKV, req: wire.ReadRequest) -> int:
+    num_heads = req.head_end - req.head_start
+    per_layer = local.block_nbytes * num_heads // local.num_heads
+    return per_layer * (req.layer_end - req.layer_start)
+
+
+async def _serve_read(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, reads: dict[int, _Read],
+    num_readers: int,
+) -> None:
+    problem = _check_request(ctx.local, req, 4 * ctx.config.chunk_nbytes)
+    if problem is not None:
+        reads.pop(req.xfer_id, None)
+        await reject(conn, ctx.codec, R.BAD_REQUEST, problem, req.xfer_id)
+        return
+    token = await _resolve_grant(ctx, req.grant, num_readers)
+    try:
+        ctx.grants.begin_read(token, req.block_ids)
+    except grant_errors.GrantError as exc:
+        reads.pop(req.xfer_id, None)
+        await reject(conn, ctx.codec, _grant_reason(exc), str(exc), req.xfer_id)
+        return
+    try:
+        await _send_chunks(ctx, conn, req, reads[req.xfer_id])
+        ctx.num_reads_served += 1
+    except TransferError as exc:
+        logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
+        conn.abort()  # the reader may hold posted receives for chunks we never send
+    finally:
+        ctx.grants.end_read(token)
+        reads.pop(req.xfer_id, None)
+
+
+async def _send_chunks(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, state: _Read
+) -> None:
+    cfg, local = ctx.config, ctx.local
+    block_nbytes = _block_nbytes(local, req)
+    num_blocks = len(req.block_ids)
+    num_chunks = math.ceil(num_blocks / req.chunk_blocks)
+    header = wire.DataHeader(req.xfer_id, num_chunks, num_blocks * block_nbytes)
+    await send_msg(conn, ctx.codec, header, cfg.reply_timeout_s)
+    layers = local.layers[req.layer_start : req.layer_end]
+    loop = asyncio.get_running_loop()
+    sends: list[asyncio.Task[None]] = []
+    try:
+        for chunk in range(num_chunks):
+            await state.wait_credit(chunk + 1, cfg.chunk_timeout_s)
+            ids = req.block_ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
+            nbytes = len(ids) * block_nbytes
+            [buf] = await ctx.pool.acquire(nbytes, timeout_s=cfg.chunk_timeout_s)
+            staging = torch.from_numpy(buf)
+            try:
+                await loop.run_in_executor(
+                    ctx.executor, _pack, layers, ids, req, local, staging
+                )
+            except BaseException:
+                ctx.pool.release(buf)
+                raise
+            sends.append(asyncio.create_task(_send_one(ctx, conn, buf, nbytes, req.xfer_id, chunk)))
+        await asyncio.gather(*sends)
+    finally:
+        for task in sends:
+            task.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+    ctx.num_bytes_served += num_blocks * block_nbytes
+
+
+def _pack(
+    layers: list[torch.Tensor], ids: list[int], req: wire.ReadRequest, local: LocalKV,
+    staging: torch.Tensor,
+) -> None:
+    pack(layers, ids, req.head_start, req.head_end, local.topology.layout, out=staging)
+
+
+async def _send_one(
+    ctx: ServerContext, conn: UcxConnection, buf: Buffer, nbytes: int, xfer_id: int, chunk: int
+) -> None:
+    try:
+        channel = channel_of(xfer_id, chunk)
+        await conn.send(buf[:nbytes], channel, timeout_s=ctx.config.chunk_timeout_s)
+    except BaseException:
+        ctx.pool.discard()  # UCX may still read it: never reuse
+        raise
+    ctx.pool.release(buf)

@@ -1,0 +1,83 @@
+"""Bounded pools of reusable staging buffers for packed KV chunks.
+
+The agent's server packs each chunk into a buffer from one pool; its reader
+receives chunks into buffers from another and unpacks them. Bounding the
+buffers bounds the agent's memory whatever the number of requests in flight.
+A buffer UCX may still write to (its request was abandoned after a timeout) is
+``discard``-ed, never reused: the pool allocates a fresh one in its place.
+
+Called only from the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.errors import PeerTimeoutError
+
+Buffer = npt.NDArray[np.uint8]
+
+
+class BufferPool:
+    """At most ``num_buffers`` byte buffers lent out at once.
+
+    Args:
+        num_buffers: buffers in the pool (> 0).
+
+    Raises:
+        ConfigError: ``num_buffers < 1``.
+    """
+
+    def __init__(self, num_buffers: int) -> None:
+        if num_buffers < 1:
+            raise ConfigError(f"num_buffers must be >= 1, got {num_buffers}")
+        self.num_buffers = num_buffers
+        self._free: list[Buffer] = []
+        self._available = asyncio.Semaphore(num_buffers)
+        # Taking several buffers is serialised so two takers never each hold
+        # half of what they need while waiting for the rest.
+        self._multi = asyncio.Lock()
+
+    async def acquire(self, nbytes: int, count: int = 1, *, timeout_s: float) -> list[Buffer]:
+        """Borrow ``count`` buffers of at least ``nbytes`` bytes each, all or none.
+
+        Raises:
+            ConfigError: ``count`` is not in ``[1, num_buffers]``.
+            PeerTimeoutError: not enough buffers came back within ``timeout_s``.
+        """
+        if not 1 <= count <= self.num_buffers:
+            raise ConfigError(f"count {count} outside [1, {self.num_buffers}]")
+        taken = 0
+        try:
+            async with asyncio.timeout(timeout_s), self._multi:
+                while taken < count:
+                    await self._available.acquire()
+                    taken += 1
+        except TimeoutError:
+            for _ in range(taken):
+                self._available.release()
+            raise PeerTimeoutError(
+                f"no {count} staging buffers of {nbytes} bytes free within {timeout_s}s"
+            ) from None
+        return [self._take(nbytes) for _ in range(count)]
+
+    def _take(self, nbytes: int) -> Buffer:
+        while self._free:
+            buf = self._free.pop()
+            if buf.nbytes >= nbytes:
+                return buf
+            # too small for this chunk size: drop it, its slot is reused below
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def release(self, buf: Buffer) -> None:
+        """Give a buffer back for reuse."""
+        self._free.append(buf)
+        self._available.release()
+
+    def discard(self) -> None:
+        """Give back the slot of a buffer that must never be reused."""
+        self._available.release()

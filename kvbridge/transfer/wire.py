@@ -1,0 +1,236 @@
+"""Control messages of the transfer protocol and their typed codec.
+
+Every control message is a ``msgspec.Struct`` tagged with its kind, and the whole
+set forms one tagged union decoded by a single typed ``msgspec.msgpack.Decoder``:
+a peer's bytes either become one of these classes, every field type- and
+range-checked, or raise :class:`ProtocolError`. Only these messages and raw KV
+bytes cross the wire (no pickle). Used by the agent's server and reader halves.
+
+Conversation on one connection (reader R, server S)::
+
+    S -> R  Challenge(nonce, protocol_version)
+    R -> S  Hello(engine id, rank, version, compat hash, nonce, proof, topology)
+    S -> R  AgentMetadata(..., proof)          or Reject(reason) and close
+    R -> S  ReadRequest(xfer_id, grant, block ids, heads, layers, chunking)
+    S -> R  DataHeader(xfer_id, chunks)        or Reject(xfer_id, reason)
+    R -> S  Credit(xfer_id, k)     receives for chunks < k are posted
+    S => R  chunk i < k on data channel (xfer_id, i) (raw bytes, no framing)
+    R -> S  ReadDone(grant, reader id, ok)      (also sent by notify-only readers)
+    R -> S  RenewLease(grant, lease_s)   S -> R LeaseRenewed(grant, remaining_s)
+    either  Ping(seq) / Pong(seq)         heartbeats on idle connections
+    either  Bye(reason)                   graceful close
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import msgspec
+
+from kvbridge.transfer.errors import ProtocolError
+
+__all__ = [
+    "AgentMetadata",
+    "Bye",
+    "Challenge",
+    "Credit",
+    "DataHeader",
+    "Hello",
+    "LeaseRenewed",
+    "Message",
+    "MessageCodec",
+    "Ping",
+    "Pong",
+    "ReadDone",
+    "ReadRequest",
+    "Reject",
+    "RejectReason",
+    "RenewLease",
+    "TopologyInfo",
+]
+
+MAX_BLOCKS_PER_READ = 1 << 16
+MAX_XFER_ID = (1 << 20) - 1
+MAX_CHUNKS = 1 << 16
+_MAX_ID_LEN = 256
+_MAX_BYTES_LEN = 64
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
+XferId = Annotated[int, msgspec.Meta(ge=1, le=MAX_XFER_ID)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=_MAX_BYTES_LEN)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
+
+
+class RejectReason(StrEnum):
+    """Why a server refused a handshake or a read."""
+
+    VERSION = "version"
+    COMPAT = "compat"
+    AUTH = "auth"
+    NOT_READY = "not_ready"  # a read before the handshake
+    UNKNOWN_GRANT = "unknown_grant"
+    EXPIRED_GRANT = "expired_grant"
+    NOT_GRANTED = "not_granted"  # block ids outside the grant
+    BAD_REQUEST = "bad_request"
+    INTERNAL = "internal"
+
+
+class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):
+    pass
+
+
+class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """A reader engine's parallel and cache shape, sent in its ``Hello``.
+
+    The server needs it to count the readers it must hear from before it may
+    free a request's blocks (``kvbridge.topology.num_expected_readers``).
+    """
+
+    tp_size: Positive
+    pp_size: Positive
+    block_size: Positive
+    num_kv_heads: Positive
+    is_mla: bool
+    layout: Annotated[str, msgspec.Meta(max_length=8)]
+    num_layers: Positive
+
+
+class Challenge(_Msg, tag="challenge"):
+    nonce: Blob
+    protocol_version: Count
+
+
+class Hello(_Msg, tag="hello"):
+    engine_id: Name
+    rank: Count
+    protocol_version: Count
+    compat_hash: Annotated[str, msgspec.Meta(max_length=128)]
+    nonce: Blob
+    proof: Blob | None = None
+    topology: TopologyInfo | None = None  # None: an old reader; the server assumes 1 reader
+
+
+class AgentMetadata(_Msg, tag="metadata"):
+    """What a reader must know about a server rank to plan and size reads."""
+
+    engine_id: Name
+    tp_size: Positive
+    pp_size: Positive
+    tp_rank: Count
+    pp_rank: Count
+    block_size: Positive
+    layout: Annotated[str, msgspec.Meta(max_length=8)]
+    num_blocks: Count
+    num_layers: Positive  # layers this rank holds
+    num_model_layers: Positive
+    layer_block_nbytes: list[Count]  # bytes of one block in each held layer (K+V)
+    num_kv_heads: Positive  # model-wide
+    num_heads: Positive  # in this rank's cache tensor
+    head_dim: Positive
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    elem_nbytes: Positive
+    is_mla: bool
+    proof: Blob | None = None
+
+
+class Reject(_Msg, tag="reject"):
+    reason: RejectReason
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    xfer_id: Count = 0  # 0: the handshake/connection, else the read concerned
+
+
+class ReadRequest(_Msg, tag="read"):
+    xfer_id: XferId
+    grant: Name
+    block_ids: Annotated[list[Count], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS_PER_READ)]
+    head_start: Count
+    head_end: Positive
+    layer_start: Count
+    layer_end: Positive
+    chunk_blocks: Positive  # blocks per data chunk
+
+
+class DataHeader(_Msg, tag="data"):
+    xfer_id: XferId
+    num_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
+    total_nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+
+
+class Credit(_Msg, tag="credit"):
+    """The reader has posted receives for every chunk below ``num_chunks``."""
+
+    xfer_id: XferId
+    num_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
+
+
+class ReadDone(_Msg, tag="done"):
+    grant: Name
+    reader_id: Name
+    ok: bool = True
+
+
+class RenewLease(_Msg, tag="renew"):
+    grant: Name
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+
+
+class LeaseRenewed(_Msg, tag="renewed"):
+    grant: Name
+    remaining_s: Seconds
+
+
+class Ping(_Msg, tag="ping"):
+    seq: Count
+
+
+class Pong(_Msg, tag="pong"):
+    seq: Count
+
+
+class Bye(_Msg, tag="bye"):
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+Message = (
+    Challenge
+    | Hello
+    | AgentMetadata
+    | Reject
+    | ReadRequest
+    | DataHeader
+    | Credit
+    | ReadDone
+    | RenewLease
+    | LeaseRenewed
+    | Ping
+    | Pong
+    | Bye
+)
+
+
+class MessageCodec:
+    """Encode and decode :data:`Message` values (one instance per thread or loop)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, message: Message) -> bytes:
+        """Return the msgpack bytes of ``message``."""
+        return self._encoder.encode(message)
+
+    def decode(self, payload: bytes) -> Message:
+        """Decode one message.
+
+        Raises:
+            ProtocolError: not msgpack, unknown kind, missing/extra fields, wrong
+                types or values out of range. The message says which.
+        """
+        try:
+            message: Message = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"bad control message ({len(payload)} bytes): {exc}") from None
+        return message

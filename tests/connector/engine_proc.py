@@ -1,0 +1,152 @@
+"""Run ``MiniEngine``s in a child process, each stepped by its own loop thread.
+
+A test starts one :class:`EngineHost` for the prefill side and one for the
+decode side, so P and D talk over real UCX between processes. Every call has a
+timeout: a wedged engine fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from typing import Any
+
+CALL_TIMEOUT_S = 60.0
+
+
+def _child(conn: Any) -> None:
+    import logging
+
+    from tests.connector.harness import EngineLoop, MiniEngine
+
+    logging.basicConfig(level=logging.WARNING)
+    loops: dict[str, EngineLoop] = {}
+    conn.send(("ok", None))
+    while True:
+        cmd, name, args = conn.recv()
+        try:
+            if cmd == "exit":
+                for loop in loops.values():
+                    loop.stop()
+                    loop.engine.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "create":
+                loops[name] = EngineLoop(MiniEngine(args))
+                conn.send(("ok", None))
+                continue
+            loop = loops[name]
+            engine = loop.engine
+            with engine.lock:
+                if cmd == "close":
+                    loop.frozen = True
+                result: Any = None
+                if cmd == "add":
+                    engine.add(**args)
+                elif cmd == "abort":
+                    engine.abort(args)
+                elif cmd == "resume":
+                    engine.requests[args].paused = False
+                elif cmd == "freeze":
+                    loop.frozen = bool(args)
+                elif cmd == "freeze_on_handout":
+                    engine.freeze_on_handout = bool(args)
+                elif cmd == "status":
+                    result = engine.status(args)
+                elif cmd == "idle":
+                    result = not engine.busy()
+                elif cmd == "free_blocks":
+                    result = engine.free_blocks()
+                elif cmd == "stats":
+                    result = engine.connector.get_stats()
+                elif cmd == "errors":
+                    result = list(engine.errors)
+                elif cmd != "close":
+                    raise ValueError(cmd)
+            if cmd == "close":
+                loop.stop()
+                engine.close()
+                del loops[name]
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
+
+
+class EngineHost:
+    """A child process hosting any number of engines."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_child, args=(child_conn,), daemon=True)
+        self.process.start()
+        self._wait("start", 120.0)
+
+    def _wait(self, what: str, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"engine host did not answer {what} within {timeout_s}s")
+        status, result = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine host {what} failed: {result}")
+        return result
+
+    def call(self, cmd: str, name: str = "", args: Any = None) -> Any:
+        self._conn.send((cmd, name, args))
+        return self._wait(cmd, CALL_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
+                self.call("exit")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+class EngineRef:
+    """One engine inside an :class:`EngineHost`."""
+
+    def __init__(self, host: EngineHost, spec: Any) -> None:
+        self.host, self.spec, self.name = host, spec, spec.engine_id
+        host.call("create", self.name, spec)
+
+    def call(self, cmd: str, args: Any = None) -> Any:
+        return self.host.call(cmd, self.name, args)
+
+    def add(self, request_id: str, prompt: list[int], params: object = None,
+            max_tokens: int = 1, paused: bool = False) -> None:
+        self.call("add", {"request_id": request_id, "prompt": prompt, "params": params,
+                          "max_tokens": max_tokens, "paused": paused})
+
+    def status(self, request_id: str) -> dict[str, Any]:
+        return dict(self.call("status", request_id))
+
+    def wait_status(self, request_id: str, statuses: set[str],
+                    timeout_s: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.status(request_id)
+            if status["status"] in statuses:
+                return status
+            time.sleep(0.01)
+        raise AssertionError(f"{self.name}: {request_id} still {status} after {timeout_s}s "
+                             f"(errors {self.call('errors')})")
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Wait until nothing runs and every block is back in the free pool."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.call("idle"):
+                free, usable = self.call("free_blocks")
+                if free == usable:
+                    return
+            time.sleep(0.02)
+        raise AssertionError(f"{self.name} not idle after {timeout_s}s: free blocks "
+                             f"{self.call('free_blocks')}, stats {self.call('stats')}, "
+                             f"errors {self.call('errors')}")
+
+    def close(self) -> None:
+        with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):
+            self.call("close")

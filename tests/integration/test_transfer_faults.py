@@ -1,0 +1,181 @@
+"""Hostile and failing peers: typed rejections, dropped connections, no wedged agent.
+
+A serving agent runs in a child process; the attacks come from a raw UCX client
+in this process (``UcxWorker`` plus the handshake helpers). After every attack a
+well-behaved reader agent (second child process) must still be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.transfer import security, wire
+from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError
+from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from tests.transfer.agent_proc import AgentRef, Host, Spec, free_port_base, logical
+
+pytestmark = pytest.mark.integration
+
+SECRET = b"correct horse battery staple 123"
+P_SPEC = Spec("p-x", seed=7, secret=SECRET, config={"lease_s": 30.0})
+D_SPEC = Spec("d-x", seed=-1, secret=SECRET)
+CODEC = wire.MessageCodec()
+MAX_FRAME = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[AgentRef, AgentRef]]:
+    p_host, d_host = Host(), Host()
+    try:
+        server = p_host.add(replace(P_SPEC, port=free_port_base(1)))
+        reader = d_host.add(replace(D_SPEC, port=free_port_base(1)))
+        yield server, reader
+    finally:
+        p_host.close()
+        d_host.close()
+
+
+def good_read_works(server: AgentRef, reader: AgentRef) -> None:
+    request_id = f"good-{secrets.token_hex(4)}"
+    blocks = [3, 8]
+    token = issue([server], request_id, blocks, 1)
+    read([reader], [server], request_id, token, blocks, [20, 21], 32)
+    assert wait_read(reader, request_id)["failed"] == set()
+    got = logical(reader.call("caches"), reader.spec, [20, 21], 32)
+    want = logical(server.call("caches"), server.spec, blocks, 32)
+    assert torch.equal(got, want)
+    wait_released(server, request_id)
+
+
+def me(secret: bytes | None = SECRET, compat: str | None = None) -> Identity:
+    return Identity("attacker", 0, compat or security.compat_hash(P_SPEC.compat()), secret)
+
+
+async def connect(port: int) -> tuple[UcxWorker, UcxConnection]:
+    worker = UcxWorker()
+    return worker, await worker.connect("127.0.0.1", port, timeout_s=5.0)
+
+
+async def expect_dropped(conn: UcxConnection) -> wire.RejectReason | None:
+    """The server's last word: a Reject reason, or None if it just hung up."""
+    try:
+        msg = await recv_msg(conn, CODEC, MAX_FRAME, 3.0)
+    except (PeerTimeoutError, PeerClosedError, ProtocolError):
+        return None
+    assert isinstance(msg, wire.Reject), msg
+    return msg.reason
+
+
+def raw_frames() -> dict[str, bytes]:
+    junk = os.urandom(200)
+    return {
+        "random": junk,
+        "truncated": (1000).to_bytes(4, "little") + (0).to_bytes(4, "little") + junk[:10],
+        "bad_crc": (10).to_bytes(4, "little") + (1234).to_bytes(4, "little") + junk[:10],
+        "oversized": bytes(MAX_FRAME + 64),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(raw_frames()))
+def test_garbage_frames_drop_the_connection(agents: tuple[AgentRef, AgentRef], kind: str) -> None:
+    server, reader = agents
+
+    async def attack() -> wire.RejectReason | None:
+        worker, conn = await connect(server.port)
+        try:
+            challenge = await recv_msg(conn, CODEC, MAX_FRAME, 5.0)
+            assert isinstance(challenge, wire.Challenge)
+            await conn.send(np.frombuffer(raw_frames()[kind], dtype=np.uint8), 0, timeout_s=5.0)
+            return await expect_dropped(conn)
+        finally:
+            conn.abort()
+            await worker.close()
+
+    reason = asyncio.run(attack())
+    assert reason in (None, wire.RejectReason.BAD_REQUEST)
+    good_read_works(server, reader)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("version", wire.RejectReason.VERSION),
+        ("compat", wire.RejectReason.COMPAT),
+        ("secret", wire.RejectReason.AUTH),
+        ("no_secret", wire.RejectReason.AUTH),
+    ],
+)
+def test_bad_hello_is_rejected(
+    agents: tuple[AgentRef, AgentRef], case: str, expected: wire.RejectReason
+) -> None:
+    server, reader = agents
+
+    async def attack() -> wire.RejectReason | None:
+        worker, conn = await connect(server.port)
+        try:
+            challenge = await recv_msg(conn, CODEC, MAX_FRAME, 5.0)
+            assert isinstance(challenge, wire.Challenge)
+            ident = me(
+                secret=b"wrong secret, 32 bytes long....." if case == "secret" else SECRET,
+                compat="0" * 64 if case == "compat" else None,
+            )
+            context = security.handshake_context("reader", ident.engine_id, 0, "p-x", 0)
+            proof = None if case == "no_secret" else security.prove(
+                ident.secret or b"", challenge.nonce, context
+            )
+            version = 99 if case == "version" else security.PROTOCOL_VERSION
+            hello = wire.Hello(
+                ident.engine_id, 0, version, ident.compat_hash, security.make_nonce(), proof
+            )
+            await send_msg(conn, CODEC, hello, 5.0)
+            return await expect_dropped(conn)
+        finally:
+            conn.abort()
+            await worker.close()
+
+    assert asyncio.run(attack()) == expected
+    good_read_works(server, reader)
+
+
+@pytest.mark.parametrize("case", ["unknown", "expired", "outside"])
+def test_bad_grant_is_rejected(agents: tuple[AgentRef, AgentRef], case: str) -> None:
+    server, reader = agents
+    blocks = [4, 5, 6]
+    token = issue([server], f"grant-{case}", blocks, 1)
+    if case == "expired":
+        token = secrets.token_urlsafe(16)
+        server.call("issue", "grant-expired-short", blocks, 1, 0.05, token)
+        time.sleep(0.4)
+
+    async def attack() -> wire.Message:
+        worker, conn = await connect(server.port)
+        try:
+            await reader_handshake(conn, CODEC, me(), "p-x", 0, max_nbytes=MAX_FRAME, timeout_s=5)
+            grant = secrets.token_urlsafe(16) if case == "unknown" else token
+            block_ids = [4, 5, 33] if case == "outside" else blocks
+            request = wire.ReadRequest(1, grant, block_ids, 0, 8, 0, 4, 8)
+            await send_msg(conn, CODEC, request, 5.0)
+            return await recv_msg(conn, CODEC, MAX_FRAME, 5.0)
+        finally:
+            conn.abort()
+            await worker.close()
+
+    reply = asyncio.run(attack())
+    expected = {
+        "unknown": wire.RejectReason.UNKNOWN_GRANT,
+        "expired": wire.RejectReason.EXPIRED_GRANT,
+        "outside": wire.RejectReason.NOT_GRANTED,
+    }[case]
+    assert isinstance(reply, wire.Reject) and reply.reason == expected, reply
+    good_read_works(server, reader)

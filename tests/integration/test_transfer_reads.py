@@ -1,0 +1,153 @@
+"""Real UCX reads between agents in two processes on loopback; every byte checked.
+
+Serving engines (P) live in one child process, reading engines (D) in another.
+Each scenario compares what D holds after the read with P's tokens, as logical
+``[layer, kv, token, head, dim]`` tensors, with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.transfer.agent_proc import AgentRef, Host, Spec, free_port_base, logical
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[tuple[Host, Host]]:
+    p_host, d_host = Host(), Host()
+    try:
+        yield p_host, d_host
+    finally:
+        p_host.close()
+        d_host.close()
+
+
+def start_engine(host: Host, spec: Spec) -> list[AgentRef]:
+    base = free_port_base(spec.tp_size)
+    return [host.add(replace(spec, tp_rank=r, port=base + r)) for r in range(spec.tp_size)]
+
+
+def close_engine(engine: list[AgentRef]) -> None:
+    for agent in engine:
+        agent.call("close")
+
+
+def wait_read(reader: AgentRef, request_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, recving, failed, stats = reader.call("poll")
+        reader.finished |= recving
+        reader.failed.update(failed)
+        reader.stats.extend(stats)
+        if request_id in reader.finished:
+            mine = [s for s in reader.stats if s.request_id == request_id]
+            return {"failed": reader.failed.get(request_id, set()), "stats": mine}
+        time.sleep(0.02)
+    raise AssertionError(f"read {request_id} did not finish within {timeout_s}s")
+
+
+def wait_released(server: AgentRef, request_id: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sending, _, _, _ = server.call("poll")
+        server.released |= sending
+        if request_id in server.released:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"grant of {request_id} not released within {timeout_s}s")
+
+
+def gather_logical(engine: list[AgentRef], block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """All ranks' tokens, heads concatenated in rank order (replicas: one copy each)."""
+    spec = engine[0].spec
+    parts = [logical(a.call("caches"), a.spec, block_ids, num_tokens) for a in engine]
+    if spec.is_mla:
+        return parts[0]
+    if spec.tp_size > spec.num_kv_heads:
+        step = spec.tp_size // spec.num_kv_heads
+        parts = parts[::step]
+    return torch.cat(parts, dim=3)
+
+
+def issue(engine: list[AgentRef], request_id: str, blocks: list[int], num_readers: int) -> str:
+    token = secrets.token_urlsafe(16)
+    for agent in engine:
+        assert agent.call("issue", request_id, blocks, num_readers, None, token) == token
+    return token
+
+
+def read(
+    d_engine: list[AgentRef], p_engine: list[AgentRef], request_id: str, token: str,
+    p_blocks: list[int], d_blocks: list[int], num_tokens: int,
+) -> None:
+    for agent in d_engine:
+        agent.call(
+            "read", request_id=request_id, engine_id=p_engine[0].spec.engine_id,
+            host="127.0.0.1", port=p_engine[0].port, remote_block_ids=p_blocks,
+            local_block_ids=d_blocks, grant=token, num_tokens=num_tokens,
+        )
+
+
+SCENARIOS = {
+    # P TP2 -> D TP1, NHD -> HND, P blocks of 16 -> D blocks of 32
+    "p2_to_d1_relayout": (
+        Spec("p-a", tp_size=2, seed=1),
+        Spec("d-a", tp_size=1, layout="HND", block_size=32),
+        16 * 7 + 5,
+    ),
+    # P TP1 -> D TP2, HND 32 -> NHD 16
+    "p1_to_d2_relayout": (
+        Spec("p-b", tp_size=1, layout="HND", block_size=32, seed=2),
+        Spec("d-b", tp_size=2, layout="NHD", block_size=16),
+        32 * 3 + 17,
+    ),
+    # MLA replicated on both P ranks: D reads one, notifies the other
+    "mla_p2_to_d1": (
+        Spec("p-c", tp_size=2, is_mla=True, seed=3),
+        Spec("d-c", tp_size=1, is_mla=True),
+        16 * 4,
+    ),
+    # 2 KV heads over P TP4 (each head on 2 ranks) -> D TP1
+    "replicated_heads_p4_to_d1": (
+        Spec("p-d", tp_size=4, num_kv_heads=2, seed=4),
+        Spec("d-d", tp_size=1, num_kv_heads=2, layout="HND"),
+        16 * 3 + 1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_read_matches_source(hosts: tuple[Host, Host], name: str) -> None:
+    p_spec, d_spec, num_tokens = SCENARIOS[name]
+    p_engine = start_engine(hosts[0], p_spec)
+    d_engine = start_engine(hosts[1], replace(d_spec, seed=-1))
+    try:
+        p_blocks = [9, 2, 40, 7, 11, 63, 30, 31][: -(-num_tokens // p_spec.block_size)]
+        d_blocks = [1, 5, 3, 60, 0, 8, 12, 13][: -(-num_tokens // d_spec.block_size)]
+        num_readers = max(1, d_spec.tp_size // p_spec.tp_size)
+        token = issue(p_engine, "req-1", p_blocks, num_readers)
+        read(d_engine, p_engine, "req-1", token, p_blocks, d_blocks, num_tokens)
+        for agent in d_engine:
+            outcome = wait_read(agent, "req-1")
+            assert outcome["failed"] == set(), outcome["stats"]
+            assert all(s.ok and s.num_remote_ranks >= 1 for s in outcome["stats"])
+        got = gather_logical(d_engine, d_blocks, num_tokens)
+        want = gather_logical(p_engine, p_blocks, num_tokens)
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+        for agent in p_engine:  # every expected reader reported: released once, as done
+            wait_released(agent, "req-1")
+            stats, num_live = agent.call("grant_stats")
+            assert (stats.num_released_done, num_live) == (1, 0)
+    finally:
+        close_engine(p_engine)
+        close_engine(d_engine)

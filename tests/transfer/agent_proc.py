@@ -1,0 +1,224 @@
+"""Run a TransferAgent in a child process and drive it over a pipe (test helper).
+
+A :class:`Host` is a "spawn" child process that hosts any number of agents (each
+with its own loop thread and UCX worker), so tests pay the interpreter start-up
+once per process. Every call has a timeout: a wedged agent fails the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology
+from kvbridge.transfer.config import AgentConfig
+from kvbridge.transfer.security import CompatInfo
+
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Spec:
+    engine_id: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    port: int = 0
+    block_size: int = 16
+    layout: str = "NHD"
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    num_layers: int = 4
+    num_blocks: int = 64
+    is_mla: bool = False
+    seed: int = 0
+    secret: bytes | None = None
+    model: str = "tiny"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def topology(self) -> EngineTopology:
+        return EngineTopology(
+            tp_size=self.tp_size, pp_size=1, block_size=self.block_size,
+            num_kv_heads=1 if self.is_mla else self.num_kv_heads, is_mla=self.is_mla,
+            layout=KVLayout.parse(self.layout), num_layers=self.num_layers,
+        )
+
+    def compat(self) -> CompatInfo:
+        return CompatInfo(
+            self.model, "bfloat16", num_kv_heads=1 if self.is_mla else self.num_kv_heads,
+            head_dim=self.head_dim, num_layers=self.num_layers,
+            layout=KVLayout.parse(self.layout), block_size=self.block_size, is_mla=self.is_mla,
+        )
+
+
+def make_caches(spec: Spec) -> list[torch.Tensor]:
+    """Seeded caches of this rank (zeros when seed < 0)."""
+    topo = spec.topology()
+    heads = topo.num_heads_per_rank
+    if spec.is_mla:
+        shape: tuple[int, ...] = (spec.num_blocks, spec.block_size, spec.head_dim)
+    elif spec.layout == "NHD":
+        shape = (2, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+    else:
+        shape = (2, spec.num_blocks, heads, spec.block_size, spec.head_dim)
+    gen = torch.Generator().manual_seed(max(spec.seed, 0) * 1000 + spec.tp_rank)
+    caches = []
+    for _ in range(spec.num_layers):
+        if spec.seed < 0:
+            caches.append(torch.zeros(shape, dtype=torch.bfloat16))
+        else:
+            caches.append(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    return caches
+
+
+def logical(
+    caches: list[torch.Tensor], spec: Spec, block_ids: list[int], num_tokens: int
+) -> torch.Tensor:
+    """Tokens of ``block_ids`` as ``[layers, kv, num_tokens, heads, head_dim]``."""
+    out = []
+    for layer in caches:
+        if spec.is_mla:
+            planes = layer.unsqueeze(0).unsqueeze(3)  # [1, nb, bs, 1, d]
+        elif spec.layout == "HND":
+            planes = layer.transpose(2, 3)
+        else:
+            planes = layer
+        picked = planes[:, block_ids]  # [kv, n, bs, h, d]
+        flat = picked.reshape(picked.shape[0], -1, *picked.shape[3:])
+        out.append(flat[:, :num_tokens])
+    return torch.stack(out)
+
+
+def _child(conn: Any) -> None:
+    import logging
+
+    from kvbridge.transfer.agent import TransferAgent
+
+    logging.basicConfig(level=logging.WARNING)
+    agents: dict[str, tuple[TransferAgent, list[torch.Tensor]]] = {}
+    conn.send(("ok", None))
+    while True:
+        cmd, name, args = conn.recv()
+        try:
+            if cmd == "add":
+                spec = args
+                agent = TransferAgent(
+                    spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
+                    port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config),
+                )
+                caches = make_caches(spec)
+                agent.register_kv_caches(caches)
+                agents[name] = (agent, caches)
+                result: Any = agent.start()
+            elif cmd == "exit":
+                for agent, _ in agents.values():
+                    agent.close()
+                conn.send(("ok", None))
+                return
+            else:
+                agent, caches = agents[name]
+                if cmd == "issue":
+                    result = agent.issue_grant(*args[:3], lease_s=args[3], token=args[4]).token
+                elif cmd == "read":
+                    result = agent.start_read(**args)
+                elif cmd == "poll":
+                    sending, recving = agent.get_finished()
+                    result = (sending, recving, agent.get_failed_block_ids(), agent.get_stats())
+                elif cmd == "caches":
+                    result = caches
+                elif cmd == "zero":
+                    for layer in caches:
+                        layer.zero_()
+                    result = None
+                elif cmd == "grant_stats":
+                    result = (agent.grants.stats(), len(agent.grants))
+                elif cmd == "close":
+                    agent.close()
+                    del agents[name]
+                    result = None
+                else:
+                    raise ValueError(cmd)
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
+
+
+class Host:
+    """A child process hosting any number of agents."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_child, args=(child_conn,), daemon=True)
+        self.process.start()
+        self._wait("start", 120.0)
+
+    def _wait(self, what: str, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"agent host did not answer {what} within {timeout_s}s")
+        status, result = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"agent host {what} failed: {result}")
+        return result
+
+    def call(self, cmd: str, name: str = "", args: Any = None) -> Any:
+        self._conn.send((cmd, name, args))
+        return self._wait(cmd, CALL_TIMEOUT_S)
+
+    def add(self, spec: Spec) -> AgentRef:
+        name = f"{spec.engine_id}/{spec.tp_rank}"
+        port = self.call("add", name, spec)
+        return AgentRef(self, name, spec, port)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
+                self.call("exit")
+            self.process.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+@dataclass
+class AgentRef:
+    """One agent inside a :class:`Host`."""
+
+    host: Host
+    name: str
+    spec: Spec
+    port: int
+    released: set[str] = field(default_factory=set)  # done_sending seen so far
+    finished: set[str] = field(default_factory=set)  # done_recving seen so far
+    failed: dict[str, set[int]] = field(default_factory=dict)
+    stats: list[Any] = field(default_factory=list)
+
+    def call(self, cmd: str, *args: Any, **kwargs: Any) -> Any:
+        return self.host.call(cmd, self.name, kwargs if cmd == "read" else args)
+
+
+def free_port_base(num_ports: int) -> int:
+    """A base port with ``num_ports`` consecutive ports that were free a moment ago."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + num_ports >= 65535:
+            continue
+        try:
+            for offset in range(1, num_ports):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
