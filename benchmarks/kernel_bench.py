@@ -182,7 +182,11 @@ def _bench_case(
 
 
 def run(
-    quick: bool, blocks: list[int] | None = None, reps: int = 3, clock: str = "wall"
+    quick: bool,
+    blocks: list[int] | None = None,
+    reps: int = 3,
+    clock: str = "wall",
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, object]:
     """Run every case; ``quick`` uses 4 layers and fewer block counts.
 
@@ -191,6 +195,7 @@ def run(
         blocks: block counts to run instead of the mode's.
         reps: timed runs per number (the best is kept).
         clock: ``"wall"``, or ``"thread"`` (CPU time of one torch thread; CPU only).
+        progress: called as ``progress(case done, cases done, total cases)``.
 
     Returns:
         ``{"config": {...}, "results": [{case, num_blocks, nbytes, ours_gbps, ...}]}``.
@@ -202,9 +207,12 @@ def run(
         torch.set_num_threads(1)
     shape = Shape(num_layers=4) if quick else Shape()
     counts = blocks or ([64, 256] if quick else [64, 256, 1024])
-    results = [
-        _bench_case(case, shape, count, reps, device, clock) for count in counts for case in CASES
-    ]
+    work = [(case, count) for count in counts for case in CASES]
+    results = []
+    for done, (case, count) in enumerate(work, 1):
+        results.append(_bench_case(case, shape, count, reps, device, clock))
+        if progress is not None:
+            progress(f"{case.name} x{count}", done, len(work))
     config = {**asdict(shape), "dtype": str(shape.dtype), "device": device, "clock": clock,
               "impl": "triton" if device == "cuda" else "torch", "threads": torch.get_num_threads(),
               "reps": reps}  # fmt: skip

@@ -172,24 +172,31 @@ def bench_scheduler_step(quick: bool, specs: list[KVCacheSpec]) -> dict[str, flo
     }
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False,
+        progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run every measurement.
 
     Args:
         quick: Fewer iterations (seconds instead of tens of seconds).
+        progress: called as ``progress(benchmark done, benchmarks done, total)``.
 
     Returns:
         ``{benchmark name: {metric: value}}`` plus the settings used.
     """
-    return {
-        "settings": {"block_size": BLOCK_SIZE, "quick": quick},
-        "allocate_free_512_tokens": bench_allocate_free(quick),
-        "prefix_hit_4096_tokens": bench_prefix_hit(quick),
-        "block_hashing": bench_hashing(quick),
-        "scheduler_step_256x4k_full": bench_scheduler_step(quick, [_full()]),
-        "scheduler_step_256x4k_full_sliding1024": bench_scheduler_step(
-            quick, [_full(), _window(1024)]),
-    }
+    benches: list[tuple[str, Callable[[], dict[str, float]]]] = [
+        ("allocate_free_512_tokens", lambda: bench_allocate_free(quick)),
+        ("prefix_hit_4096_tokens", lambda: bench_prefix_hit(quick)),
+        ("block_hashing", lambda: bench_hashing(quick)),
+        ("scheduler_step_256x4k_full", lambda: bench_scheduler_step(quick, [_full()])),
+        ("scheduler_step_256x4k_full_sliding1024",
+         lambda: bench_scheduler_step(quick, [_full(), _window(1024)])),
+    ]
+    results: dict[str, Any] = {"settings": {"block_size": BLOCK_SIZE, "quick": quick}}
+    for done, (name, bench) in enumerate(benches, 1):
+        results[name] = bench()
+        if progress is not None:
+            progress(name, done, len(benches))
+    return results
 
 
 def format_table(results: dict[str, Any]) -> str:

@@ -1,15 +1,32 @@
-"""Transfer benchmark: KV-shaped reads between two agent processes vs ``ucx_perftest``.
+"""Transfer benchmark: kvbridge's ``TransferAgent`` beside NIXL, Mooncake and ``ucx_perftest``.
 
-Each request reads ``n`` scattered blocks (32 layers, 8 KV heads, head dim 128,
-bf16, block 16: 2 MiB per block) from a serving agent into scattered local
-blocks of a reading agent, through the full path (grant, handshake-cached link,
-pack, UCX, unpack, done report). Reported per size: GB/s and p50/p99 latency
-from ``start_read`` to the read appearing in ``get_finished``; and
-``ucx_perftest -t tag_bw`` at the same message size, run on the same host.
+Called by ``kvbridge bench transfer`` (``benchmarks/bench_cli.py``); also a
+script (``python -m benchmarks.transfer_bench --quick --peers nixl``).
 
-Usage::
+Every system moves the same bytes at the same scatter granularity. The unit is
+a *piece*: one layer's K and V of one 16-token block (8 KV heads, head dim 128,
+bf16) = 64 KiB, the peers' "block" (``benchmarks/peers/workload.py``). A
+kvbridge block spans all the layers of its cache, so a request of ``n`` blocks
+over ``L`` layers is ``n * L`` pieces. Each size is mapped so that the piece
+counts agree::
 
-    python benchmarks/transfer_bench.py [--quick] [--json]
+    pieces  1     16     32     64     256     1024    4096
+    bytes   64KiB 1MiB   2MiB   4MiB   16MiB   64MiB   256MiB
+    kvb L   1     16     32     32     32      32      32        L = min(32, pieces)
+    kvb n   1     1      1      2      8       32      128       n = pieces / L
+
+Inside one kvbridge layer a block's K and V are two 32 KiB runs (the cache is
+``[2, num_blocks, ...]``), as in vLLM's layout; the peers' 64 KiB pieces are
+one run each. The 2 MiB point (32 layers, one block) is the model's real
+one-block request; its p50/p99 are the "1-block latency".
+
+kvbridge runs as two spawned processes on loopback per layer count: a serving
+agent (fills its cache with a pattern, issues a grant per request) and a
+reading agent, timed from ``start_read`` to the read showing up in
+``get_finished`` (grant, handshake reuse, chunked read, unpack, done report).
+Block ids are scattered over a pool twice the largest request. After the timed
+requests of each size the reader checks every named block against the pattern
+and every other block for zeros.
 """
 
 from __future__ import annotations
@@ -17,190 +34,203 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import re
-import secrets
-import subprocess
 import sys
-import time
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-NUM_LAYERS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-BLOCK_NBYTES = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_HEADS * HEAD_DIM * 2
+from benchmarks.peers import PEER_NAMES, KVWorkload, run_named_peer
+from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
+
+PIECE_NBYTES = 64 << 10
+MAX_LAYERS = 32
+FULL_PIECES = (1, 16, 32, 64, 256, 1024, 4096)
+QUICK_PIECES = (1, 16, 32, 64, 256, 1024)
+LATENCY_PIECES = MAX_LAYERS  # one block of the 32-layer model
+_TIMEOUT_S = 300.0
+
+Progress = Callable[[str, int, int], None]
+"""``progress(what just finished, steps done, total steps)``."""
 
 
-def _agent(engine_id: str, num_blocks: int, port: int, seed: int) -> Any:
-    import torch
+@dataclass(frozen=True, slots=True)
+class SizePoint:
+    """One request size and how kvbridge expresses it.
 
-    from kvbridge.layout import KVLayout
-    from kvbridge.topology import EngineTopology
-    from kvbridge.transfer.agent import TransferAgent
-    from kvbridge.transfer.security import CompatInfo
+    Attributes:
+        num_pieces: 64 KiB pieces per request (the peers' block count).
+        num_layers: Layers of kvbridge's caches at this size.
+        num_blocks: kvbridge blocks per request.
+    """
 
-    topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_HEADS, False, KVLayout.NHD, NUM_LAYERS)
-    compat = CompatInfo("bench", "bfloat16", NUM_HEADS, HEAD_DIM, NUM_LAYERS, KVLayout.NHD,
-                        BLOCK_SIZE, False)
-    agent = TransferAgent(engine_id, topo, 0, 0, compat, port=port)
-    shape = (2, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_DIM)
-    gen = torch.Generator().manual_seed(seed)
-    caches = [
-        torch.randint(-1000, 1000, shape, generator=gen, dtype=torch.int16).view(torch.bfloat16)
-        if seed else torch.zeros(shape, dtype=torch.bfloat16)
-        for _ in range(NUM_LAYERS)
-    ]
-    agent.register_kv_caches(caches)
-    agent.start()
-    return agent
+    num_pieces: int
+    num_layers: int
+    num_blocks: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.num_pieces * PIECE_NBYTES
 
-def _server(conn: Any, num_blocks: int) -> None:
-    agent = _agent("bench-p", num_blocks, 0, seed=1)
-    conn.send(agent.port)
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "issue":
-            request_id, blocks = args
-            conn.send(agent.issue_grant(request_id, blocks, 1, lease_s=60.0).token)
-            agent.get_finished()  # drain releases
-        else:
-            agent.close()
-            conn.send(None)
-            return
+    @classmethod
+    def of(cls, num_pieces: int) -> SizePoint:
+        """Map a piece count to kvbridge layers x blocks (see the module docstring).
+
+        Raises:
+            ValueError: ``num_pieces`` < 1, or > 32 and not a multiple of 32.
+        """
+        if num_pieces < 1 or (num_pieces > MAX_LAYERS and num_pieces % MAX_LAYERS):
+            raise ValueError(f"num_pieces must be in [1, {MAX_LAYERS}] or a multiple of "
+                             f"{MAX_LAYERS}, got {num_pieces}")
+        num_layers = min(MAX_LAYERS, num_pieces)
+        return cls(num_pieces, num_layers, num_pieces // num_layers)
 
 
-def _reader(conn: Any, num_blocks: int, port: int) -> None:
-    import random
-
-    agent = _agent("bench-d", num_blocks, 0, seed=0)
-    conn.send(None)
-    rng = random.Random(0)
-    while True:
-        cmd, args = conn.recv()
-        if cmd != "read":
-            agent.close()
-            conn.send(None)
-            return
-        request_id, remote_blocks, token = args
-        local_blocks = rng.sample(range(num_blocks), len(remote_blocks))
-        started = time.perf_counter()
-        agent.start_read(
-            request_id, engine_id="bench-p", host="127.0.0.1", port=port,
-            remote_block_ids=remote_blocks, local_block_ids=local_blocks, grant=token,
-            num_tokens=len(remote_blocks) * BLOCK_SIZE,
-        )
-        while request_id not in agent.get_finished()[1]:
-            time.sleep(0.00005)
-        elapsed = time.perf_counter() - started
-        failed = agent.get_failed_block_ids()
-        conn.send((elapsed, bool(failed), [s.error for s in agent.get_stats() if not s.ok]))
+def kvbridge_iters(nbytes: int, quick: bool) -> int:
+    """Timed requests per size: many for small sizes (p99 latency), fewer for big ones."""
+    if nbytes <= 2 << 20:
+        return 50 if quick else 200
+    return 10 if quick else (50 if nbytes <= 16 << 20 else 20)
 
 
-def _kv_runs(sizes: list[int], num_iters: dict[int, int]) -> dict[int, dict[str, float]]:
-    import random
+def run_kvbridge(points: Sequence[SizePoint], quick: bool,
+                 progress: Progress | None = None) -> list[PeerResult]:
+    """Time kvbridge at every point; one process pair per layer count.
 
-    ctx = mp.get_context("spawn")
-    num_blocks = max(sizes) + 8
-    p_conn, p_child = ctx.Pipe()
-    d_conn, d_child = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(p_child, num_blocks), daemon=True)
-    server.start()
-    port = p_conn.recv()
-    reader = ctx.Process(target=_reader, args=(d_child, num_blocks, port), daemon=True)
-    reader.start()
-    d_conn.recv()
-    rng = random.Random(1)
-    results: dict[int, dict[str, float]] = {}
-    try:
-        for size in sizes:
-            times = []
-            for i in range(num_iters[size] + 2):  # 2 warm-up reads (first one handshakes)
-                request_id = f"r{size}-{i}"
-                blocks = rng.sample(range(num_blocks), size)
-                p_conn.send(("issue", (request_id, blocks)))
-                token = p_conn.recv()
-                d_conn.send(("read", (request_id, blocks, token)))
-                elapsed, failed, errors = d_conn.recv()
-                if failed:
-                    raise RuntimeError(f"read of {size} blocks failed: {errors}")
-                if i >= 2:
-                    times.append(elapsed)
-            times.sort()
-            p50 = times[len(times) // 2]
-            p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
-            nbytes = size * BLOCK_NBYTES
-            results[size] = {
-                "nbytes": nbytes, "gb_per_s": nbytes / p50 / 1e9,
-                "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "num_iters": len(times),
-            }
-    finally:
-        for conn in (p_conn, d_conn):
-            conn.send(("close", None))
-            conn.recv()
-        server.join(10)
-        reader.join(10)
+    Raises:
+        RuntimeError: a read failed or the data did not verify.
+    """
+    from benchmarks.transfer_agents import AgentPair
+
+    results: list[PeerResult] = []
+    for num_layers in sorted({p.num_layers for p in points}):
+        group = [p for p in points if p.num_layers == num_layers]
+        num_pool_blocks = 2 * max(p.num_blocks for p in group)
+        with AgentPair(num_layers, num_pool_blocks, _TIMEOUT_S) as pair:
+            for point in group:
+                results.append(pair.measure(point.num_blocks, kvbridge_iters(point.nbytes, quick),
+                                            point.nbytes))
+                if progress is not None:
+                    progress(f"kvbridge {point.nbytes >> 10} KiB", len(results), len(points))
+    results.sort(key=lambda r: r.nbytes)
     return results
 
 
-def _perftest_bin() -> tuple[Path, dict[str, str]]:
-    import libucx  # type: ignore[import-untyped]
-
-    root = Path(libucx.__file__).parent
-    env = dict(os.environ, LD_LIBRARY_PATH=str(root / "lib"), UCX_WARN_UNUSED_ENV_VARS="n")
-    return root / "bin" / "ucx_perftest", env
-
-
-def _perftest(nbytes: int, num_iters: int) -> float:
-    """ucx_perftest tag_bw GB/s for ``nbytes`` messages (server and client on this host)."""
-    binary, env = _perftest_bin()
-    port = 20000 + secrets.randbelow(20000)
-    args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(num_iters), "-w", "2", "-p", str(port)]
-    server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+def _try_peer(name: str, sizes: list[int], iters: int, workload: KVWorkload) -> PeerOutcome:
     try:
-        time.sleep(0.5)
-        out = subprocess.run([str(binary), "127.0.0.1", *args], env=env, capture_output=True,
-                             text=True, timeout=300).stdout
-    finally:
-        server.wait(timeout=60)
-    final = [line for line in out.splitlines() if line.startswith("Final:")]
-    if not final:
-        raise RuntimeError(f"ucx_perftest printed no result: {out[-500:]}")
-    fields = re.split(r"\s+", final[0].strip())
-    return float(fields[6]) * (1 << 20) / 1e9  # overall bandwidth, MB/s (2**20)
+        return run_named_peer(name, sizes, iters, workload)
+    except Exception as exc:  # a peer must never end the run
+        return Unavailable(name, f"{type(exc).__name__}: {exc}")
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Run the benchmark; return ``{"sizes": {num_blocks: {...}}}`` with both engines."""
-    sizes = [1, 16, 64, 256] if quick else [1, 16, 64, 256, 1024]
-    num_iters = {1: 200, 16: 30, 64: 10, 256: 5, 1024: 3}
-    kv = _kv_runs(sizes, num_iters)
-    for size, row in kv.items():
-        if size >= 16:
-            perf = _perftest(int(row["nbytes"]), max(5, num_iters[size]))
-            row["perftest_gb_per_s"] = perf
-            row["ratio"] = row["gb_per_s"] / perf
-    return {"block_nbytes": BLOCK_NBYTES, "sizes": kv}
+def run_peer_safely(name: str, sizes: list[int],
+                    iters: int) -> tuple[PeerOutcome, dict[int, str]]:
+    """``run_named_peer`` on the shared workload; never raises.
+
+    A peer that fails the whole run is retried one size at a time (same pool,
+    same block ids), so that one size it cannot do (e.g. a batch too large)
+    does not hide the others; it is given up when the smallest size fails too.
+
+    Returns:
+        The results (or ``Unavailable``) and ``{nbytes: reason}`` of sizes that failed.
+    """
+    workload = KVWorkload.for_sizes(sizes)
+    outcome = _try_peer(name, sizes, iters, workload)
+    if not isinstance(outcome, Unavailable) or len(sizes) == 1:
+        return outcome, {}
+    results: list[PeerResult] = []
+    failures: dict[int, str] = {}
+    for nbytes in sizes:
+        one = _try_peer(name, [nbytes], iters, workload)
+        if isinstance(one, Unavailable):
+            if not results:
+                return outcome, {}
+            failures[nbytes] = one.reason
+        else:
+            results += one
+    return results, failures
 
 
-def main() -> None:
+def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | None = None,
+        peer_iters: int | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Run kvbridge and each of ``peers`` at the same sizes.
+
+    Args:
+        quick: Sizes up to 64 MiB and fewer requests per size.
+        peers: Names from ``benchmarks.peers.PEER_NAMES``.
+        pieces: Request sizes in 64 KiB pieces (default by mode).
+        peer_iters: Timed requests per size for the peers (default 10 / 20).
+        progress: Called after each finished step.
+
+    Returns:
+        ``{"workload", "systems": {name: [result] | {"unavailable": why}},
+        "ratios": {peer: {nbytes: kvbridge / peer}}, "latency_1_block",
+        "peer_failures": {peer: {nbytes: why}}}`` (sizes a peer could not do).
+
+    Raises:
+        ValueError: unknown peer or a bad size.
+        RuntimeError: kvbridge's own run failed (peers never raise).
+    """
+    unknown = [p for p in peers if p not in PEER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; known: {', '.join(PEER_NAMES)}")
+    points = [SizePoint.of(n) for n in (pieces or (QUICK_PIECES if quick else FULL_PIECES))]
+    sizes = [p.nbytes for p in points]
+    total = len(points) * (1 + len(peers))
+
+    def step(label: str, done: int, _total: int) -> None:
+        if progress is not None:
+            progress(label, done + offset, total)
+
+    offset = 0
+    outcomes: dict[str, PeerOutcome] = {"kvbridge": run_kvbridge(points, quick, step)}
+    failures: dict[str, dict[int, str]] = {}
+    for name in peers:
+        offset += len(points)
+        outcomes[name], failed = run_peer_safely(name, sizes, peer_iters or (10 if quick else 20))
+        if failed:
+            failures[name] = failed
+        step(name, len(points), total)
+    return {**_report(points, outcomes), "peer_failures": failures}
+
+
+def _report(points: Sequence[SizePoint], outcomes: dict[str, PeerOutcome]) -> dict[str, Any]:
+    ours = {r.nbytes: r for r in outcomes["kvbridge"]} if isinstance(
+        outcomes["kvbridge"], list) else {}
+    ratios: dict[str, dict[int, float]] = {}
+    for name, outcome in outcomes.items():
+        if name != "kvbridge" and isinstance(outcome, list):
+            ratios[name] = {r.nbytes: ours[r.nbytes].gbps_median / r.gbps_median
+                            for r in outcome if r.nbytes in ours and r.gbps_median > 0}
+    one_block = ours.get(LATENCY_PIECES * PIECE_NBYTES)
+    return {
+        "workload": {
+            "piece_nbytes": PIECE_NBYTES, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16",
+            "block_size": 16,
+            "mapping": [{"nbytes": p.nbytes, "num_pieces": p.num_pieces,
+                         "kvbridge_num_layers": p.num_layers,
+                         "kvbridge_num_blocks": p.num_blocks} for p in points],
+        },
+        "systems": {name: ([r.to_json() for r in o] if isinstance(o, list) else o.to_json())
+                    for name, o in outcomes.items()},
+        "ratios": ratios,
+        "latency_1_block": None if one_block is None else {
+            "num_layers": MAX_LAYERS, "nbytes": one_block.nbytes,
+            "p50_us": one_block.latency_p50_us, "p99_us": one_block.latency_p99_us},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry: print the report as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the 1024-block size")
-    parser.add_argument("--json", action="store_true", help="print JSON only")
-    args = parser.parse_args()
-    result = run(args.quick)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-        return
-    print(f"{'blocks':>6} {'MiB':>7} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'perftest GB/s':>13} {'ratio':>6}")
-    for size, row in result["sizes"].items():
-        print(f"{size:>6} {row['nbytes'] / 2**20:>7.0f} {row['gb_per_s']:>6.2f} "
-              f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row.get('perftest_gb_per_s', float('nan')):>13.2f} "
-              f"{row.get('ratio', float('nan')):>6.2f}")
+    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer iters")
+    parser.add_argument("--peers", default="", help=f"comma list of {', '.join(PEER_NAMES)}")
+    args = parser.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    json.dump(run(args.quick, peers), sys.stdout, indent=2)
+    print()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    mp.set_start_method("spawn", force=True)
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""``kvbridge bench {transfer,kernels,paged,e2e,all}``: run, show, save and plot benchmarks.
+
+``kvbridge/cli.py`` hands the arguments after ``bench`` to :func:`main` (the
+benchmarks live in the source checkout, not in the wheel). Each subcommand runs
+one benchmark module's ``run()`` with a progress bar (tqdm on a terminal, plain
+lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
+result plus the machine it ran on) and ``<out>/<name>.png``. See
+``docs/benchmarks.md`` for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks import bench_tables
+from benchmarks.plots import PlotUnavailable, save_plot
+
+BENCHMARKS = ("paged", "kernels", "transfer", "e2e")
+DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake"
+
+
+class ProgressBar:
+    """``progress(label, done, total)`` callback: a tqdm bar on a TTY, else plain lines.
+
+    Args:
+        name: Shown before each line / as the bar's description.
+        stream: Where progress goes (stderr by default, so tables stay clean).
+    """
+
+    def __init__(self, name: str, stream: IO[str] | None = None) -> None:
+        self.name = name
+        self.stream = stream or sys.stderr
+        self._started = time.monotonic()
+        self._bar: Any = None
+        self._use_tqdm = self.stream.isatty()
+        if self._use_tqdm:
+            try:
+                import tqdm  # noqa: F401  (the bench extra)
+            except ImportError:
+                self._use_tqdm = False
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if not self._use_tqdm:
+            elapsed_s = time.monotonic() - self._started
+            print(f"[{self.name} {done}/{total}] {label} ({elapsed_s:.0f} s)",
+                  file=self.stream, flush=True)
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=self.name, file=self.stream, unit="step")
+        self._bar.set_postfix_str(label, refresh=False)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        """Finish the bar (no-op for plain lines). Idempotent."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores, memory, CPU model, load average, versions: what limits every number."""
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    try:
+        meminfo = Path("/proc/meminfo").read_text().split()
+        info["mem_total_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / 2**20, 1)
+        cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("model name")]
+        info["cpu_model"] = cpu[0].split(":", 1)[1].strip() if cpu else "unknown"
+    except (OSError, ValueError):
+        pass  # not Linux: leave the fields out
+    info["loadavg_start"] = os.getloadavg()
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]:
+    """Run benchmark ``name``'s module with the parsed options."""
+    if name == "paged":
+        from benchmarks import paged_bench
+
+        return paged_bench.run(args.quick, progress=progress)
+    if name == "kernels":
+        from benchmarks import kernel_bench
+
+        return dict(kernel_bench.run(args.quick, args.blocks, args.reps, args.clock, progress))
+    if name == "transfer":
+        from benchmarks import transfer_bench
+
+        peers = [p for p in args.peers.split(",") if p]
+        return transfer_bench.run(args.quick, peers, args.pieces, args.peer_iters, progress)
+    from benchmarks import e2e_bench
+
+    return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
+                         progress=progress)
+
+
+def run_benchmark(name: str, args: argparse.Namespace) -> int:
+    """Run one benchmark; print its table, write its JSON and PNG under ``args.out``.
+
+    Returns:
+        0, or 1 when the result failed its own checks (unverified bytes,
+        mismatching answers).
+    """
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    progress = ProgressBar(name)
+    started = time.monotonic()
+    try:
+        result = _run(name, args, progress)
+    finally:
+        progress.close()
+    machine["loadavg_end"] = os.getloadavg()
+    record = {"benchmark": name, "quick": args.quick, "argv": sys.argv,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "duration_s": round(time.monotonic() - started, 1), "machine": machine,
+              "result": result}
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"\n== kvbridge bench {name}  (load average {machine['loadavg_start'][0]:.2f} -> "
+          f"{machine['loadavg_end'][0]:.2f} on {machine['nproc']} cores)")
+    print(bench_tables.TABLES[name](result))
+    print(f"\nwrote {json_path}")
+    if not args.no_plot:
+        try:
+            save_plot(name, result, out / f"{name}.png")
+            print(f"wrote {out / f'{name}.png'}")
+        except PlotUnavailable as exc:
+            print(f"no plot: {exc}")
+    return 0 if bench_tables.passed(name, result) else 1
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvbridge bench`` parser (one subcommand per benchmark, plus ``all``)."""
+    parser = argparse.ArgumentParser(prog="kvbridge bench", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    common.add_argument("--out", default="bench-out", help="directory for JSON and PNG files")
+    common.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    sub = parser.add_subparsers(dest="which", required=True)
+    helps = {"paged": "paged KV manager: allocate/free, prefix hits, hashing, scheduler step",
+             "kernels": "pack/unpack GB/s against memcpy and the three-pass fix",
+             "transfer": "TransferAgent GB/s and latency beside NIXL, Mooncake, ucx_perftest",
+             "e2e": "TTFT and decode tokens/s, P/D against colocated",
+             "all": "every benchmark above, one after another"}
+    subs = {name: sub.add_parser(name, parents=[common], help=text)
+            for name, text in helps.items()}
+    for name in ("transfer", "all"):
+        subs[name].add_argument("--peers", default=DEFAULT_PEERS,
+                                help=f"comma list of peers ('' for none; default {DEFAULT_PEERS})")
+        subs[name].add_argument("--pieces", type=_int_list, default=None,
+                                help="request sizes in 64 KiB pieces, e.g. 1,16,32,1024")
+        subs[name].add_argument("--peer-iters", type=int, default=None,
+                                help="timed requests per size for the peers")
+    for name in ("kernels", "all"):
+        subs[name].add_argument("--blocks", type=_int_list, default=None,
+                                help="block counts, e.g. 64,256,1024")
+        subs[name].add_argument("--reps", type=int, default=3, help="timed runs (best kept)")
+        subs[name].add_argument("--clock", choices=["wall", "thread"], default="wall")
+    for name in ("e2e", "all"):
+        subs[name].add_argument("--lengths", type=_int_list, default=None,
+                                help="prompt lengths in tokens (default 64,512,1536)")
+        subs[name].add_argument("--max-tokens", type=int, default=None)
+        subs[name].add_argument("--repeats", type=int, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (the words after ``kvbridge bench``) and run; the exit code."""
+    args = build_parser().parse_args(argv)
+    # ucxx sets UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows: one warning
+    # per process otherwise. Spawned benchmark processes inherit this.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    names = BENCHMARKS if args.which == "all" else (args.which,)
+    return max(run_benchmark(name, args) for name in names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

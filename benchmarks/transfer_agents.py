@@ -1,0 +1,252 @@
+"""kvbridge's side of the transfer benchmark: a serving and a reading agent process.
+
+Used by ``benchmarks/transfer_bench.py``. :class:`AgentPair` spawns two
+processes on loopback, each with one ``TransferAgent`` over ``num_layers``
+bf16 caches of ``[2, num_pool_blocks, 16, 8, 128]`` (NHD). The parent drives
+them through pipes, one request at a time::
+
+    parent --grant(ids)--> server        issue_grant, reply with the token
+    parent --read(ids, token)--> reader  start_read ... get_finished, reply seconds
+    parent --verify(ids)--> reader       count wrong blocks, reply the count
+
+The server's caches hold a pattern: 8-byte word ``w`` of half ``h`` (K or V) of
+block ``b`` in layer ``l`` is ``((l << 48) | (h << 47) | (b << 20) | w) * MIX + 1``
+(mod 2**64; MIX is odd, so the map is one-to-one). The reader recomputes it for
+the blocks it read, so a misplaced, torn or stray block is caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from benchmarks.peers.results import PeerResult, summarize
+
+BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+_HALF_WORDS = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2 // 8  # one layer's K (or V) of a block
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_NUM_WARMUP = 2  # the first read also handshakes
+_POLL_S = 50e-6
+_SEED = 7
+
+
+class AgentPairError(RuntimeError):
+    """A benchmark agent process failed, timed out or reported a failed read."""
+
+
+def pattern(layer: int, block_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """The server's content of ``block_ids`` in ``layer`` as ``[2, n, words]`` uint64."""
+    half = np.arange(2, dtype=np.uint64)[:, None, None] << np.uint64(47)
+    blocks = block_ids.astype(np.uint64)[None, :, None] << np.uint64(20)
+    words = np.arange(_HALF_WORDS, dtype=np.uint64)[None, None, :]
+    key = (np.uint64(layer) << np.uint64(48)) | half | blocks | words
+    return key * _MIX + np.uint64(1)
+
+
+def _agent(engine_id: str, num_layers: int, num_pool_blocks: int) -> tuple[Any, list[Any]]:
+    import torch
+
+    from kvbridge.layout import KVLayout
+    from kvbridge.topology import EngineTopology
+    from kvbridge.transfer.agent import TransferAgent
+    from kvbridge.transfer.security import CompatInfo
+
+    topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)
+    compat = CompatInfo("bench", "bfloat16", NUM_KV_HEADS, HEAD_DIM, num_layers, KVLayout.NHD,
+                        BLOCK_SIZE, False)
+    shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
+    agent = TransferAgent(engine_id, topo, 0, 0, compat)
+    agent.register_kv_caches(caches)
+    return agent, caches
+
+
+def _words(cache: Any) -> npt.NDArray[np.uint64]:
+    """``[2, num_blocks, words]`` uint64 view of one layer's cache (shares memory)."""
+    import torch
+
+    array: npt.NDArray[np.uint64] = cache.view(torch.int64).numpy().view(np.uint64)
+    return array.reshape(2, cache.shape[1], -1)
+
+
+def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int) -> None:
+    agent, caches = _agent("bench-p", num_layers, num_pool_blocks)
+    all_ids = np.arange(num_pool_blocks, dtype=np.int64)
+    for layer, cache in enumerate(caches):
+        _words(cache)[:] = pattern(layer, all_ids)
+    conn.send(agent.start())
+    try:
+        while (msg := conn.recv())[0] == "grant":
+            agent.get_finished()  # releases of earlier grants
+            conn.send(agent.issue_grant(msg[1], msg[2], 1, lease_s=120.0).token)
+    finally:
+        agent.close()
+        conn.send("closed")
+
+
+def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: int) -> None:
+    agent, caches = _agent("bench-d", num_layers, num_pool_blocks)
+    agent.start()
+    conn.send("ready")
+    try:
+        while (msg := conn.recv())[0] != "close":
+            match msg:
+                case ("read", request_id, remote_ids, local_ids, token):
+                    conn.send(_timed_read(agent, port, request_id, remote_ids, local_ids, token))
+                case ("zero",):
+                    for cache in caches:
+                        cache.zero_()
+                    conn.send(0)
+                case ("verify", remote_ids, local_ids):
+                    conn.send(_num_wrong(caches, np.array(remote_ids), np.array(local_ids)))
+    finally:
+        agent.close()
+        conn.send("closed")
+
+
+def _timed_read(agent: Any, port: int, request_id: str, remote_ids: list[int],
+                local_ids: list[int], token: str) -> tuple[float, int] | str:
+    """Seconds from ``start_read`` to the outcome and the read's message count, or the
+    error text of a failed read."""
+    started = time.perf_counter()
+    agent.start_read(request_id, engine_id="bench-p", host="127.0.0.1", port=port,
+                     remote_block_ids=remote_ids, local_block_ids=local_ids, grant=token,
+                     num_tokens=len(remote_ids) * BLOCK_SIZE)
+    while request_id not in agent.get_finished()[1]:
+        time.sleep(_POLL_S)  # not a busy loop: the agent's thread needs the GIL
+    elapsed = time.perf_counter() - started
+    if agent.get_failed_block_ids():
+        errors = [s.error for s in agent.get_stats() if not s.ok]
+        return f"read {request_id} failed: {errors}"
+    num_messages = sum(s.num_messages for s in agent.get_stats())
+    return elapsed, num_messages
+
+
+def _num_wrong(caches: list[Any], remote_ids: npt.NDArray[np.int64],
+               local_ids: npt.NDArray[np.int64]) -> int:
+    """Blocks whose content is wrong in any layer: named ones vs the pattern, others vs 0."""
+    wrong = np.zeros(caches[0].shape[1], dtype=bool)
+    untouched = np.ones_like(wrong)
+    untouched[local_ids] = False
+    for layer, cache in enumerate(caches):
+        words = _words(cache)
+        got = words[:, local_ids]
+        wrong[local_ids] |= (got != pattern(layer, remote_ids)).any(axis=(0, 2))
+        wrong[untouched] |= words[:, untouched].any(axis=(0, 2))
+    return int(wrong.sum())
+
+
+class AgentPair:
+    """A serving and a reading agent process; a context manager that stops both.
+
+    Args:
+        num_layers: Layers of both caches.
+        num_pool_blocks: Blocks of each cache (requests pick scattered ids in it).
+        timeout_s: Deadline of every reply from a child.
+
+    Raises:
+        AgentPairError: a child did not start within ``timeout_s``.
+    """
+
+    def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float) -> None:
+        self.num_layers, self.num_pool_blocks, self.timeout_s = (
+            num_layers, num_pool_blocks, timeout_s)
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []  # reader last, so close() stops it first
+        self._num_requests = 0
+        try:
+            self._server = self._spawn(_serve_main, num_layers, num_pool_blocks)
+            port = self._recv(self._server)
+            self._reader = self._spawn(_read_main, num_layers, num_pool_blocks, port)
+            self._recv(self._reader)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, target: Any, *args: Any) -> Connection:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self._procs.append(proc)
+        self._conns.append(parent)
+        proc.start()
+        return parent
+
+    def _recv(self, conn: Connection) -> Any:
+        if not conn.poll(self.timeout_s):
+            raise AgentPairError(f"no reply from a benchmark agent in {self.timeout_s:.0f} s "
+                                 f"(alive: {[p.is_alive() for p in self._procs]})")
+        try:
+            return conn.recv()
+        except EOFError:
+            raise AgentPairError("a benchmark agent process exited early") from None
+
+    def _call(self, conn: Connection, *msg: Any) -> Any:
+        conn.send(msg)
+        return self._recv(conn)
+
+    def read_once(self, remote_ids: list[int], local_ids: list[int]) -> tuple[float, int]:
+        """One granted read; its duration in seconds and the messages it took.
+
+        Raises:
+            AgentPairError: the read failed or a child stopped answering.
+        """
+        self._num_requests += 1
+        request_id = f"bench-{self._num_requests}"
+        token = self._call(self._server, "grant", request_id, remote_ids)
+        outcome = self._call(self._reader, "read", request_id, remote_ids, local_ids, token)
+        if isinstance(outcome, str):
+            raise AgentPairError(outcome)
+        seconds, num_messages = outcome
+        return float(seconds), int(num_messages)
+
+    def measure(self, num_blocks: int, num_iters: int, nbytes: int) -> PeerResult:
+        """Warm up, time ``num_iters`` reads of ``num_blocks`` scattered blocks, verify.
+
+        Returns:
+            The statistics, named ``kvbridge``; ``num_blocks`` counts 64 KiB pieces
+            (blocks x layers) like the peers' results.
+
+        Raises:
+            AgentPairError: a read failed or a child stopped answering.
+        """
+        rng = np.random.default_rng([_SEED, num_blocks])
+        remote_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
+        local_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
+        for _ in range(_NUM_WARMUP):
+            self.read_once(remote_ids, local_ids)
+        self._call(self._reader, "zero")
+        timed = [self.read_once(remote_ids, local_ids) for _ in range(num_iters)]
+        num_wrong = self._call(self._reader, "verify", remote_ids, local_ids)
+        durations_s = [seconds for seconds, _ in timed]
+        note = (f"{self.num_layers} layers x {num_blocks} blocks, "
+                f"{max(n for _, n in timed)} messages per read")
+        if num_wrong:
+            note += f"; {num_wrong} of {num_blocks} blocks wrong"
+        return summarize("kvbridge", nbytes, num_blocks * self.num_layers, durations_s,
+                         num_wrong == 0, note)
+
+    def close(self) -> None:
+        """Ask both children to stop; kill any still alive after ``timeout_s``."""
+        for conn in reversed(self._conns):
+            with contextlib.suppress(OSError, EOFError, AgentPairError):
+                conn.send(("close",))
+                self._recv(conn)
+        for proc in self._procs:
+            proc.join(self.timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> AgentPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
