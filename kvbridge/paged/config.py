@@ -234,6 +234,10 @@ def estimate_max_model_len(specs: Mapping[str, KVCacheSpec], available_nbytes: i
     return best
 
 
+NUM_RESERVED_BLOCKS = 1
+"""Blocks the pool keeps for itself: block 0 is the null placeholder."""
+
+
 def check_enough_memory(specs: Mapping[str, KVCacheSpec], available_nbytes: int,
                         limits: RequestLimits) -> None:
     """Check that one request of ``limits.max_model_len`` tokens fits.
@@ -300,11 +304,13 @@ def get_kv_cache_config(specs: Mapping[str, KVCacheSpec], available_nbytes: int,
     num_blocks = available_nbytes // block_nbytes
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
-    num_needed = max_num_blocks_per_request(groups, limits)
+    # The block pool reserves one block as the null placeholder (block 0).
+    num_needed = max_num_blocks_per_request(groups, limits) + NUM_RESERVED_BLOCKS
     if num_blocks < num_needed:
         raise ConfigError(
             f"{num_blocks} blocks of {block_nbytes} bytes cannot hold one request of "
-            f"max_model_len={limits.max_model_len}, which needs {num_needed} blocks")
+            f"max_model_len={limits.max_model_len}, which needs {num_needed} blocks "
+            f"({NUM_RESERVED_BLOCKS} reserved as the null block)")
     tensors = tuple(KVCacheTensor(page * num_blocks, slot)
                     for page, slot in zip(slot_page_nbytes, slots, strict=True))
     return KVCacheConfig(num_blocks, tensors, groups)

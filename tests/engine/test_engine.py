@@ -140,9 +140,10 @@ def test_bad_requests_raise_and_change_nothing(engine: LLMEngine) -> None:
         engine.add_request("vocab", [1, MICRO.vocab_size])
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         engine.add_request("long", [1] * MICRO.max_model_len)
-    with make_engine(num_blocks=16) as small, pytest.raises(InvalidRequestError, match="blocks"):
-        # 15 usable blocks (one is the null block) hold 240 tokens.
-        small.add_request("big", [1] * 200, SamplingParams(max_tokens=56))
+    # 16 blocks of 16 tokens leave 15 usable (one is the null block): too few for
+    # one max_model_len=256 request, so the engine refuses to start.
+    with pytest.raises(ConfigError, match="null block"):
+        make_engine(num_blocks=16)
     engine.add_request("dup", [1, 2])
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup", [3])

@@ -218,9 +218,12 @@ def test_override_sets_num_blocks() -> None:
     check_config(config, specs, None)
     with pytest.raises(ConfigError, match="num_blocks_override must be > 0, got 0"):
         get_kv_cache_config(specs, 2 * PAGE * 1000, LIMITS, num_blocks_override=0)
-    needed = max_num_blocks_per_request(group_layers(specs), LIMITS)
+    # One block more than a request's worst case: block 0 is the pool's null block.
+    needed = max_num_blocks_per_request(group_layers(specs), LIMITS) + 1
     with pytest.raises(ConfigError, match=f"needs {needed} blocks"):
         get_kv_cache_config(specs, 2 * PAGE * 1000, LIMITS, num_blocks_override=needed - 1)
+    assert get_kv_cache_config(specs, 2 * PAGE * 1000, LIMITS,
+                               num_blocks_override=needed).num_blocks == needed
 
 
 def test_max_concurrency() -> None:
