@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup demo test lint pytest bench bench-peers clean
 
 $(BIN)/.kvbridge-installed: pyproject.toml scripts/setup.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -24,7 +24,13 @@ pytest: setup
 
 test: lint pytest
 
-bench: setup
+# Peers for the side-by-side transfer benchmark (optional: a peer that cannot be
+# installed is reported as "unavailable: <reason>"). --no-deps keeps torch as is.
+bench-peers: setup
+	-$(BIN)/python -m pip install -q --no-deps -r benchmarks/peers/requirements.txt
+	-[ "$$(id -u)" = 0 ] && apt-get install -y -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null
+
+bench: bench-peers
 	$(BIN)/kvbridge bench all --out bench-out
 
 clean:
