@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.errors import ConfigError
@@ -152,6 +153,10 @@ async def _unless_client_gone(request: Request, work: Awaitable[_T]) -> _T:
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _error_text(response: httpx.Response) -> str:
     try:
         return str(response.json()["error"]["message"])
@@ -197,21 +202,32 @@ class PDProxy:
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         chunks: list[bytes] = []
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            if sum(map(len, chunks)) > self.config.max_body_nbytes:
-                raise _ProxyError(413, f"request body exceeds {self.config.max_body_nbytes} "
-                                       f"bytes", "invalid_request_error")
         try:
-            body = json.loads(b"".join(chunks))
-        except ValueError as exc:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                if sum(map(len, chunks)) > self.config.max_body_nbytes:
+                    raise _ProxyError(413, f"request body exceeds "
+                                           f"{self.config.max_body_nbytes} bytes",
+                                      "invalid_request_error")
+        except ClientDisconnect:  # gone before its body arrived: an abort, not a failure
+            raise _ClientGone from None
+        try:
+            # NaN and Infinity are not JSON: refused here, they could not be forwarded.
+            body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise _ProxyError(400, f"invalid JSON body: {exc}", "invalid_request_error") from None
         if not isinstance(body, dict):
             raise _ProxyError(400, f"request body must be a JSON object, got "
                                    f"{type(body).__name__}", "invalid_request_error")
+        # Checked here: P is always asked with stream=false and max_tokens=1 and would
+        # not notice. A bad value found only by D would leave P holding the prompt's
+        # blocks until the lease ends.
         if not isinstance(body.get("stream", False), bool):
-            # Checked here: P is always asked with stream=false and would not notice.
             raise _ProxyError(400, f"stream must be true or false, got {body['stream']!r}",
+                              "invalid_request_error")
+        max_tokens = body.get("max_tokens", 1)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise _ProxyError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r:.40}",
                               "invalid_request_error")
         return body
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -33,12 +34,14 @@ from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbridge.engine.engine_config import EngineConfig
+    from kvbridge.transfer.config import AgentConfig
 
 __all__ = [
     "add_proxy_parser",
     "add_serve_parser",
     "build_engine_config",
     "main",
+    "parse_agent_options",
     "parse_nbytes",
     "run_proxy",
     "run_serve",
@@ -107,6 +110,9 @@ def add_serve_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
     p.add_argument("--lease", type=float, default=None, metavar="SECONDS",
                    help="how long P keeps a finished prefill's blocks for D")
     p.add_argument("--load-failure-policy", choices=["recompute", "fail"], default="recompute")
+    p.add_argument("--transfer-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="transfer agent timeout or size (an AgentConfig field, e.g. "
+                   "chunk_timeout_s=2); repeatable")
     p.add_argument("--host-buffer", action="store_true", help="stage transfers in host memory")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--in-process", action="store_true",
@@ -147,6 +153,31 @@ def _read_secret(path: Path) -> bytes:
     return secret
 
 
+def parse_agent_options(items: Sequence[str]) -> AgentConfig:
+    """``["chunk_timeout_s=2", "chunk_nbytes=65536"]`` -> an ``AgentConfig`` (rest default).
+
+    Raises:
+        ConfigError: not ``NAME=VALUE``, an unknown field, or a value the field rejects.
+    """
+    from kvbridge.transfer.config import AgentConfig
+
+    defaults = {f.name: getattr(AgentConfig(), f.name) for f in dataclasses.fields(AgentConfig)}
+    values: dict[str, int | float] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in defaults:
+            raise ConfigError(f"--transfer-option {item!r}: expected NAME=VALUE with NAME one "
+                              f"of {sorted(defaults)}")
+        kind = type(defaults[name])
+        try:
+            values[name] = kind(text.strip())
+        except ValueError:
+            raise ConfigError(f"--transfer-option {item!r}: {text!r} is not "
+                              f"{'an integer' if kind is int else 'a number'}") from None
+    return AgentConfig(**values)  # type: ignore[arg-type]
+
+
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` that ``serve``'s flags describe.
 
@@ -168,12 +199,16 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                                     "host_buffer": args.host_buffer}
         if args.lease is not None:
             settings["lease_s"] = args.lease
+        if args.transfer_option:
+            settings["agent"] = parse_agent_options(args.transfer_option)
         connector = ConnectorSettings(
             engine_id=args.engine_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
             transfer_base_port=args.transfer_port, host=transfer_host,
             secret=_read_secret(args.secret_file) if args.secret_file else None, **settings)
     elif args.role != "both":
         raise ConfigError(f"--role {args.role} needs --transfer-port (the connector)")
+    elif args.transfer_option:
+        raise ConfigError("--transfer-option needs --transfer-port (the connector)")
     optional = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "num_blocks": args.num_blocks, "kv_memory_nbytes": args.kv_memory}

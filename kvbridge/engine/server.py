@@ -32,6 +32,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvbridge.connector.params import KVTransferParams
@@ -139,11 +140,14 @@ class _TextStream:
 async def _read_body(request: Request, max_nbytes: int) -> bytes:
     chunks: list[bytes] = []
     nbytes = 0
-    async for chunk in request.stream():
-        nbytes += len(chunk)
-        if nbytes > max_nbytes:
-            raise ApiError(413, f"request body exceeds {max_nbytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            nbytes += len(chunk)
+            if nbytes > max_nbytes:
+                raise ApiError(413, f"request body exceeds {max_nbytes} bytes")
+            chunks.append(chunk)
+    except ZeroDivisionError:  # TEMP
+        raise _ClientGone from None
     return b"".join(chunks)
 
 
@@ -186,7 +190,8 @@ class _CompletionServer:
         """
         try:
             req = msgspec.json.decode(body, type=CompletionRequest)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a ValidationError is a
+            # DecodeError; bytes that are not UTF-8 inside a string raise UnicodeDecodeError
             raise ApiError(400, f"invalid request body: {exc}") from None
         if req.model is not None and req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} is not served here (serving "

@@ -58,7 +58,7 @@ from kvbridge.transfer.server import ServerContext, serve_connection
 from kvbridge.transfer.staging import BufferPool
 from kvbridge.transfer.ucx import UcxConnection, UcxWorker
 
-__all__ = ["AgentConfig", "TransferAgent", "TransferStats"]
+__all__ = ["AgentConfig", "AgentCounters", "TransferAgent", "TransferStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,31 @@ class _Running:
     worker: UcxWorker
     reads: Reads
     stop: asyncio.Event
+    server: ServerContext
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCounters:
+    """One consistent snapshot of an agent's serving tables and totals.
+
+    The ``num_*`` "now" values return to their idle baseline once peers are gone
+    and their done reports are settled; tests use that to prove nothing leaks.
+    """
+
+    num_sessions: int  # server sessions open now
+    num_sessions_total: int  # connections that reached the server since start
+    num_serving_reads: int  # reads being served now (all sessions)
+    num_read_tasks: int  # tasks serving those reads
+    num_pending_reports: int  # done reports waiting for their grant to be issued
+    num_staging_lent: int  # serve staging buffers lent out
+    num_grants: int  # grants not yet released
+    num_reads_served: int  # reads served to the end since start
+    num_bytes_served: int  # KV bytes of those reads
+    num_data_bytes_sent: int  # KV bytes handed to UCX on data channels (any outcome)
+    num_ucx_requests: int  # UCX requests in flight (both halves)
+    num_ucx_connections: int  # UCX connections open (both halves)
+    num_ucx_tasks: int  # accepted-connection tasks alive
+    num_ucx_stray_dropped: int  # unexpected UCX messages nothing would receive, dropped
 
 
 class TransferAgent:
@@ -191,7 +216,7 @@ class TransferAgent:
             self.port = worker.listen(
                 self._requested_port, on_connect, timeout_s=cfg.handshake_timeout_s
             )
-            self._running = _Running(loop, worker, reads, asyncio.Event())
+            self._running = _Running(loop, worker, reads, asyncio.Event(), server_ctx)
             ready.set()
             expiry = asyncio.create_task(self._expire_grants())
             await self._running.stop.wait()
@@ -225,6 +250,39 @@ class TransferAgent:
         if running is not None:
             running.loop.call_soon_threadsafe(running.reads.abort_all)
         self.close(timeout_s=1.0)
+
+    def counters(self, timeout_s: float = 5.0) -> AgentCounters:
+        """Snapshot the serving tables and totals (taken on the agent's loop).
+
+        Raises:
+            ConfigError: the agent is not running.
+            TimeoutError: the loop did not answer within ``timeout_s``.
+        """
+        running = self._running
+        if running is None or self._closed:
+            raise ConfigError("counters of a TransferAgent that is not running")
+
+        async def snapshot() -> AgentCounters:
+            ctx, worker = running.server, running.worker
+            return AgentCounters(
+                num_sessions=len(ctx.sessions),
+                num_sessions_total=ctx.num_sessions_total,
+                num_serving_reads=sum(len(s.reads) for s in ctx.sessions),
+                num_read_tasks=sum(len(s.tasks) for s in ctx.sessions),
+                num_pending_reports=len(ctx.reports),
+                num_staging_lent=ctx.pool.num_lent,
+                num_grants=len(self.grants),
+                num_reads_served=ctx.num_reads_served,
+                num_bytes_served=ctx.num_bytes_served,
+                num_data_bytes_sent=ctx.num_data_bytes_sent,
+                num_ucx_requests=worker.num_requests,
+                num_ucx_connections=worker.num_connections,
+                num_ucx_tasks=worker.num_tasks,
+                num_ucx_stray_dropped=worker.num_stray_dropped,
+            )
+
+        future = asyncio.run_coroutine_threadsafe(snapshot(), running.loop)
+        return future.result(timeout_s)
 
     # ---------------------------------------------------------------- serving side
     def issue_grant(

@@ -19,6 +19,9 @@ from kvbridge.layout import KVLayout
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer import wire
 
+#: ``AgentConfig`` fields for which 0 means "off" rather than an invalid value.
+_ZERO_ALLOWED = frozenset({"test_chunk_delay_s"})
+
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
@@ -44,6 +47,9 @@ class AgentConfig:
         grant_wait_s: how long the server waits for a grant it has not issued yet
             (the engine returns the token to D before its workers issue it), before
             rejecting a read or dropping a done report naming it.
+        test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
+            sleeps this long before sending each data chunk, so that fault tests
+            (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
     """
 
     connect_timeout_s: float = 5.0
@@ -62,12 +68,17 @@ class AgentConfig:
     renew_every_s: float = 10.0
     expire_every_s: float = 0.2
     grant_wait_s: float = 2.0
+    test_chunk_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"AgentConfig.{f.name} must be finite and > 0, got {value!r}")
+            zero_ok = f.name in _ZERO_ALLOWED
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (numeric and math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
+                bound = ">= 0" if zero_ok else "> 0"
+                raise ConfigError(f"AgentConfig.{f.name} must be finite and {bound}, "
+                                  f"got {value!r}")
         if self.window_chunks > 64:
             raise ConfigError(f"AgentConfig.window_chunks must be <= 64, got {self.window_chunks}")
 

@@ -15,6 +15,18 @@ A notify-only job (``ReadJob.notify_only``) plans the same way but only sends
 
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
+
+A cached link may be stale without anyone knowing yet: its peer restarted at the
+same address (maybe with another TP size, block size or layout) sooner than
+heartbeats notice, and UCX reports no peer failure. Reads over it then fail on
+the dead connection, or are planned from the old metadata and do not fit the
+request. So when a job that used links cached before it started fails as a whole
+and none of those links heard from its server meanwhile (a live server would at
+least have answered the read), those links are dropped and the job runs once
+more, from a new handshake and a plan made from the peer's fresh metadata::
+
+    attempt 1: cached links (maybe stale) -> everything fails, not a word back
+    attempt 2: new links, new handshake, new plan -> the outcome, whatever it is
 """
 
 from __future__ import annotations
@@ -28,12 +40,21 @@ from dataclasses import dataclass
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.topology import RemoteRead, build_read_plan
+from kvbridge.transfer import wire
 from kvbridge.transfer.config import topology_of
-from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.errors import RejectedError, TransferError
 from kvbridge.transfer.reader import ItemResult, PeerLink, ReaderContext
 from kvbridge.transfer.ucx import UcxWorker
 
 logger = logging.getLogger(__name__)
+
+
+#: Rejects that prove a live server judged this request or this reader.
+_VERDICTS = frozenset({
+    wire.RejectReason.UNKNOWN_GRANT, wire.RejectReason.EXPIRED_GRANT,
+    wire.RejectReason.NOT_GRANTED, wire.RejectReason.VERSION, wire.RejectReason.COMPAT,
+    wire.RejectReason.AUTH,
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,15 +159,13 @@ class Reads:
         num_ranks = 0
         try:
             async with asyncio.timeout(self._ctx.config.read_timeout_s):
-                first = await self._link(job, 0)
-                plan = build_read_plan(
-                    self._ctx.local.topology, self._ctx.local.tp_rank, self._ctx.local.pp_rank,
-                    topology_of(first.meta), job.engine_id,
-                )
-                num_ranks = len(plan.items)
-                outcomes = await asyncio.gather(
-                    *(self._run_item(job, item) for item in plan.items), return_exceptions=True
-                )
+                cached = self._cached_links(job.engine_id)
+                try:
+                    num_ranks, outcomes = await self._attempt(job)
+                except (TransferError, KVBridgeError) as exc:  # planning failed
+                    outcomes = [exc]
+                if self._drop_stale(job, cached, outcomes):
+                    num_ranks, outcomes = await self._attempt(job)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     errors.append(outcome)
@@ -158,6 +177,49 @@ class Reads:
             logger.exception("read %s crashed", job.request_id)
             errors.append(exc)
         self._record(job, results, errors, num_ranks)
+
+    async def _attempt(self, job: ReadJob) -> tuple[int, list[ItemResult | None | BaseException]]:
+        """Plan from rank 0's metadata and run every item: ``(num_ranks, outcomes)``."""
+        first = await self._link(job, 0)
+        plan = build_read_plan(
+            self._ctx.local.topology, self._ctx.local.tp_rank, self._ctx.local.pp_rank,
+            topology_of(first.meta), job.engine_id,
+        )
+        outcomes = await asyncio.gather(
+            *(self._run_item(job, item) for item in plan.items), return_exceptions=True
+        )
+        return len(plan.items), outcomes
+
+    def _cached_links(self, engine_id: str) -> dict[tuple[str, int], tuple[PeerLink, int]]:
+        """Live links to ``engine_id`` by key, with their received-message counts."""
+        return {key: (link, link.num_received) for key, link in self._links.items()
+                if key[0] == engine_id and link.alive}
+
+    def _drop_stale(
+        self, job: ReadJob, cached: dict[tuple[str, int], tuple[PeerLink, int]],
+        outcomes: list[ItemResult | None | BaseException],
+    ) -> bool:
+        """Whether to try ``job`` again: all of it failed over cached, silent links.
+
+        Such links are aborted, so the next attempt handshakes anew. Not when a
+        cached link heard from its server during the job (it is alive), nor when
+        a server gave a verdict (grant or handshake reject: new links would hear
+        the same).
+        """
+        failures = [o for o in outcomes if isinstance(o, TransferError | KVBridgeError)
+                    and not (isinstance(o, RejectedError) and o.reason in _VERDICTS)]
+        silent = {key: link for key, (link, num_received) in cached.items()
+                  if link.num_received == num_received}
+        if (not silent or len(silent) != len(cached) or not outcomes
+                or len(failures) != len(outcomes)):
+            return False
+        logger.warning("read %s: links to %s found stale (%s); handshaking again",
+                       job.request_id, job.engine_id, failures[0])
+        for key, link in silent.items():
+            link.abort()
+            if self._links.get(key) is link:
+                del self._links[key]
+        return True
 
     async def _run_item(self, job: ReadJob, item: RemoteRead) -> ItemResult | None:
         link = await self._link(job, item.remote_rank)

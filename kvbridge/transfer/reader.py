@@ -79,6 +79,7 @@ class PeerLink:
         self._xfer_ids = itertools.count(1)
         self._ping_seq = itertools.count(1)
         self._error: TransferError | None = None
+        self.num_received = 0  # control messages from the server: proof of life
         self._tasks = [
             asyncio.create_task(self._dispatch()),
             asyncio.create_task(self._heartbeat()),
@@ -125,6 +126,7 @@ class PeerLink:
         try:
             while True:
                 msg = await recv_msg(self._conn, codec, cfg.max_frame_nbytes, 3 * cfg.heartbeat_s)
+                self.num_received += 1
                 match msg:
                     case wire.DataHeader(xfer_id=xfer_id):
                         self._resolve(("data", xfer_id), msg)

@@ -80,8 +80,19 @@ class ServerContext:
     aliases: dict[str, str] = field(default_factory=dict)
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
     reports: set[asyncio.Task[None]] = field(default_factory=set)  # done reports waiting
-    num_bytes_served: int = 0
+    sessions: set[Session] = field(default_factory=set)  # open sessions
+    num_sessions_total: int = 0
+    num_bytes_served: int = 0  # KV bytes of reads served to the end
+    num_data_bytes_sent: int = 0  # KV bytes handed to UCX on data channels
     num_reads_served: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """What one open connection has in flight (registered in ``ServerContext.sessions``)."""
+
+    reads: dict[int, _Read] = field(default_factory=dict)  # xfer id -> credit state
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # reads being served
 
 
 class _Read:
@@ -145,8 +156,10 @@ async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str
 
 async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
     """Run one session to its end; never raises (failures are logged)."""
-    reads: dict[int, _Read] = {}
-    tasks: set[asyncio.Task[None]] = set()
+    session = Session()
+    ctx.sessions.add(session)
+    ctx.num_sessions_total += 1
+    reads, tasks = session.reads, session.tasks
     cfg = ctx.config
     try:
         metadata = ctx.local.metadata(ctx.me.engine_id, None)
@@ -202,6 +215,7 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         conn.abort()
+        ctx.sessions.discard(session)
 
 
 async def _reader_done(
@@ -299,6 +313,8 @@ async def _send_chunks(
     sends: list[asyncio.Task[None]] = []
     try:
         for chunk in range(num_chunks):
+            if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
+                await asyncio.sleep(cfg.test_chunk_delay_s)
             await state.wait_credit(chunk + 1, cfg.chunk_timeout_s)
             ids = req.block_ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
             nbytes = len(ids) * block_nbytes
@@ -332,6 +348,7 @@ async def _send_one(
 ) -> None:
     try:
         channel = channel_of(xfer_id, chunk)
+        ctx.num_data_bytes_sent += nbytes
         await conn.send(buf[:nbytes], channel, timeout_s=ctx.config.chunk_timeout_s)
     except BaseException:
         ctx.pool.discard()  # UCX may still read it: never reuse

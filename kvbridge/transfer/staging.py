@@ -37,6 +37,7 @@ class BufferPool:
             raise ConfigError(f"num_buffers must be >= 1, got {num_buffers}")
         self.num_buffers = num_buffers
         self._free: list[Buffer] = []
+        self._num_lent = 0
         self._available = asyncio.Semaphore(num_buffers)
         # Taking several buffers is serialised so two takers never each hold
         # half of what they need while waiting for the rest.
@@ -63,7 +64,13 @@ class BufferPool:
             raise PeerTimeoutError(
                 f"no {count} staging buffers of {nbytes} bytes free within {timeout_s}s"
             ) from None
+        self._num_lent += count
         return [self._take(nbytes) for _ in range(count)]
+
+    @property
+    def num_lent(self) -> int:
+        """Buffers lent out and not yet released or discarded."""
+        return self._num_lent
 
     def _take(self, nbytes: int) -> Buffer:
         while self._free:
@@ -76,8 +83,10 @@ class BufferPool:
     def release(self, buf: Buffer) -> None:
         """Give a buffer back for reuse."""
         self._free.append(buf)
+        self._num_lent -= 1
         self._available.release()
 
     def discard(self) -> None:
         """Give back the slot of a buffer that must never be reused."""
+        self._num_lent -= 1
         self._available.release()

@@ -19,6 +19,11 @@ request (bulk data) is in flight, or for a short grace period after a completion
 ``asyncio.sleep(0)``; otherwise it arms the worker and sleeps on its epoll file
 descriptor, with a short safety timeout in case a transport misses a wakeup.
 
+Stray messages: UCX keeps a tagged message that no posted receive matches until
+one does, for ever. Every ``_DRAIN_EVERY_S`` the driver receives and drops those
+that nothing will ask for (see ``_drain_stray``), so a peer sending junk tags
+cannot grow this process's memory.
+
 Tags are worker-global in UCX, so each connection end draws a random id and the
 two ends swap ids over the endpoint's stream channel on connect::
 
@@ -64,6 +69,9 @@ MAX_CHANNEL = (1 << _CHANNEL_BITS) - 1
 _HELLO = struct.Struct("<8sQ")  # magic, connection id
 _MAGIC = b"KVBUCX01"
 _FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
+_DRAIN_EVERY_S = 0.25
+_MAX_DRAIN = 4096  # stray messages dropped per pass
+_SCRATCH_NBYTES = 64  # stray messages land here, truncated
 
 Bytes = npt.NDArray[np.uint8]
 ConnectHandler = Callable[["UcxConnection"], Awaitable[None]]
@@ -76,6 +84,11 @@ def _map_ucx_error(exc: Exception, what: str) -> TransferError:
     if "Truncated" in name:
         return ProtocolError(f"{what}: message larger than the posted buffer ({exc})")
     return TransferError(f"{what}: {name}: {exc}")
+
+
+def _ignore_outcome(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 @dataclass(slots=True)
@@ -96,7 +109,8 @@ class UcxWorker:
             at most this).
         config: extra UCX options (``UCX_`` prefix dropped); the rendezvous scheme
             defaults to ``get_zcopy``, which measured several times faster for
-            multi-MB messages between processes on one host than ``auto``.
+            multi-MB messages between processes on one host than ``auto``. The
+            listener reuses its address (``CM_REUSEADDR``) so a restart keeps its port.
 
     Must be created inside the running event loop that will use it.
     """
@@ -110,7 +124,10 @@ class UcxWorker:
         config: dict[str, str] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        options = {"RNDV_SCHEME": "get_zcopy", **(config or {})}
+        # CM_REUSEADDR: a restarted agent must get its port back at once, although
+        # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
+        # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
+        options = {"RNDV_SCHEME": "get_zcopy", "CM_REUSEADDR": "y", **(config or {})}
         self._context = ucx_api.UCXContext(
             options,
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
@@ -124,10 +141,13 @@ class UcxWorker:
         self._pending: list[_Pending] = []
         self._num_busy = 0
         self._ids_in_use: set[int] = set()
+        self._next_drain = 0.0
+        self._num_stray_dropped = 0
         self._wakeup = asyncio.Event()
         self._epoll_fd: int = self._worker.epoll_file_descriptor
         self._loop.add_reader(self._epoll_fd, self._wakeup.set)
         self._listener: Any = None
+        self._self_endpoint: Any = None  # to this worker: completes abandoned receives
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._driver = self._loop.create_task(self._drive())
@@ -141,6 +161,9 @@ class UcxWorker:
             while self._worker.progress_once():
                 self._last_event = loop.time()
             self._reap()
+            if loop.time() >= self._next_drain:
+                self._drain_stray()
+                self._next_drain = loop.time() + _DRAIN_EVERY_S
             if loop.time() - self._last_event < self._spin_s:
                 await asyncio.sleep(0)
                 continue
@@ -176,6 +199,77 @@ class UcxWorker:
             else:
                 item.future.set_result(None)
         self._pending = still
+
+    def _drain_stray(self) -> None:
+        """Receive and drop unexpected tagged messages that no receive will ever match.
+
+        UCX keeps a message that arrives before a matching receive is posted, for
+        ever. Receives of data chunks are always posted before the sender may send
+        (credits), so the only unexpected messages that will still be wanted are
+        control frames (channel 0) of open connections. Anything else, sent by a
+        confused or hostile peer (any peer may send any tag, even before the
+        handshake), or arriving late for a closed connection, would otherwise pile
+        up in this process's memory. Messages are taken oldest first; a wanted
+        frame at the head ends the pass (it is received within moments).
+        """
+        anything = ucx_api.UCXXTagMask(0)
+        num_dropped = 0
+        while num_dropped < _MAX_DRAIN:
+            head = self._worker.tag_probe(ucx_api.UCXXTag(0), anything, remove=False)
+            if not head.matched:
+                break
+            tag: int = head.sender_tag.value
+            if tag & MAX_CHANNEL == 0 and tag >> _CHANNEL_BITS in self._ids_in_use:
+                break
+            taken = self._worker.tag_probe(head.sender_tag, ucx_api.UCXXTagMaskFull, remove=True)
+            if not taken.matched:
+                break
+            scratch = Array(np.empty(_SCRATCH_NBYTES, dtype=np.uint8))
+            request = self._worker.tag_recv_with_handle(scratch, taken)
+            # truncated on purpose: the error is expected and not worth reporting
+            self.track(request, scratch, busy=False).add_done_callback(_ignore_outcome)
+            num_dropped += 1
+        if num_dropped:
+            self._num_stray_dropped += num_dropped
+            logger.info("dropped %d stray UCX messages (%d in all)", num_dropped,
+                        self._num_stray_dropped)
+
+    def complete_abandoned(self, tag: Any) -> None:
+        """Complete a posted receive nobody waits for any more, with an empty message.
+
+        UCX has no way to cancel one posted tag receive, and closing the endpoint
+        leaves it posted (with its buffer) for ever. Sending zero bytes to its tag
+        from this worker to itself ends it. Called by ``UcxConnection.abort``.
+        """
+        if self._closed:
+            return
+        if self._self_endpoint is None:
+            self._self_endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
+                self._worker, self._worker.address, False
+            )
+        empty = Array(np.zeros(0, dtype=np.uint8))
+        request = self._self_endpoint.tag_send(empty, tag)
+        self.track(request, empty, busy=False).add_done_callback(_ignore_outcome)
+
+    @property
+    def num_stray_dropped(self) -> int:
+        """Unexpected messages no receive would match, dropped since start."""
+        return self._num_stray_dropped
+
+    @property
+    def num_requests(self) -> int:
+        """UCX requests in flight (posted, not yet completed)."""
+        return len(self._pending)
+
+    @property
+    def num_connections(self) -> int:
+        """Connection ids in use (connections not yet closed or aborted)."""
+        return len(self._ids_in_use)
+
+    @property
+    def num_tasks(self) -> int:
+        """Tasks this worker owns (accepted connections being served)."""
+        return len(self._tasks)
 
     def track(self, request: Any, keep: object, *, busy: bool) -> asyncio.Future[None]:
         """Return a future resolved when ``request`` completes (internal to this module)."""
@@ -286,6 +380,7 @@ class UcxWorker:
         self._driver.cancel()
         await asyncio.gather(self._driver, *self._tasks, return_exceptions=True)
         self._listener = None
+        self._self_endpoint = None
         for item in self._pending:
             if not item.future.done():
                 item.future.set_exception(PeerClosedError("UCX worker closed"))
@@ -309,6 +404,7 @@ class UcxConnection:
         self.remote_id = 0
         self._closed = False
         self._frame_buf: Bytes | None = None
+        self._recvs: list[tuple[Any, Any]] = []  # (tag, UCX request) of posted receives
 
     @property
     def closed(self) -> bool:
@@ -373,7 +469,10 @@ class UcxConnection:
         self._check_open("recv")
         arr = Array(buf)
         logger.debug("recv peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
-        request = self._endpoint.tag_recv(arr, self._tag(self.local_id, channel))
+        tag = self._tag(self.local_id, channel)
+        request = self._endpoint.tag_recv(arr, tag)
+        self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
+        self._recvs.append((tag, request))
         return self._worker.track(request, arr, busy=busy)
 
     async def wait(self, future: asyncio.Future[None], *, timeout_s: float, what: str) -> None:
@@ -420,6 +519,10 @@ class UcxConnection:
             self._endpoint.close()
         except Exception as exc:  # ucxx raises its own untyped hierarchy
             logger.debug("closing endpoint to %s: %s", self.peer, exc)
+        for tag, request in self._recvs:  # else they stay posted, buffers and all
+            if not request.completed:
+                self._worker.complete_abandoned(tag)
+        self._recvs.clear()
         self._worker.release_id(self.local_id)
 
     async def close(self, goodbye: bytes | None = None, *, timeout_s: float = 1.0) -> None:
