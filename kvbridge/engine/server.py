@@ -146,7 +146,7 @@ async def _read_body(request: Request, max_nbytes: int) -> bytes:
             if nbytes > max_nbytes:
                 raise ApiError(413, f"request body exceeds {max_nbytes} bytes")
             chunks.append(chunk)
-    except ZeroDivisionError:  # TEMP
+    except ClientDisconnect:  # gone before its body arrived: an abort, not a failure
         raise _ClientGone from None
     return b"".join(chunks)
 
