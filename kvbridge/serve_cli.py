@@ -57,6 +57,8 @@ _GRACEFUL_SHUTDOWN_S = 5
 _STARTUP_TIMEOUT_S = 60.0
 
 
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
 def parse_nbytes(text: str) -> int:
     """``"268435456"``, ``"256M"``, ``"256MiB"`` or ``"1g"`` -> bytes (binary units).
 
@@ -162,7 +164,7 @@ def parse_agent_options(items: Sequence[str]) -> AgentConfig:
     from kvbridge.transfer.config import AgentConfig
 
     defaults = {f.name: getattr(AgentConfig(), f.name) for f in dataclasses.fields(AgentConfig)}
-    values: dict[str, int | float] = {}
+    values: dict[str, int | float | bool] = {}
     for item in items:
         name, sep, text = item.partition("=")
         name = name.strip()
@@ -170,6 +172,13 @@ def parse_agent_options(items: Sequence[str]) -> AgentConfig:
             raise ConfigError(f"--transfer-option {item!r}: expected NAME=VALUE with NAME one "
                               f"of {sorted(defaults)}")
         kind = type(defaults[name])
+        if kind is bool:
+            word = text.strip().lower()
+            if word not in _BOOL_WORDS:
+                raise ConfigError(f"--transfer-option {item!r}: {text!r} is not one of "
+                                  f"{sorted(_BOOL_WORDS)}")
+            values[name] = _BOOL_WORDS[word]
+            continue
         try:
             values[name] = kind(text.strip())
         except ValueError:

@@ -40,6 +40,9 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_block_size: P's block size.
         remote_block_ids: P's blocks of the request from token 0.
         grant: P's grant token.
+        kv_digest: ``binding.kv_digest`` of this request's prompt and
+            ``remote_block_ids``, sent with every read: P refuses the read
+            unless its grant was issued for the same prompt and blocks.
     """
 
     request_id: str
@@ -54,6 +57,7 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_size: int
     remote_block_ids: list[int]
     grant: str
+    kv_digest: bytes
 
     @property
     def end_token(self) -> int:
@@ -70,12 +74,15 @@ class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
         grant: the token every rank issues the grant under (readers send one
             token to all ranks).
         lease_s: how long the blocks are held if readers do not report.
+        kv_digest: ``binding.kv_digest`` of the prompt tokens the blocks hold
+            and ``block_ids``; the grant refuses reads naming anything else.
     """
 
     request_id: str
     block_ids: list[int]
     grant: str
     lease_s: float
+    kv_digest: bytes
 
 
 class NotifyRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -47,6 +47,11 @@ P and D block sizes may differ. ``num_local`` is a multiple of D's block size;
 a load starting inside a P block reads that P block and skips its first tokens
 on arrival. Every request is loaded at most once and a loaded request is never
 served onward (no transfer loops).
+
+Each grant is bound to the prompt tokens it holds and to their blocks
+(``binding.py``): P issues it with the digest of its prompt, D reads with the
+digest of its own, and P refuses a read whose digest differs, so D never loads
+one prompt's KV under another prompt (D then recomputes, as for any failed load).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.metadata import (
     ConnectorMetadata,
     NotifyRequest,
@@ -125,6 +131,7 @@ class _Load:
     params: KVTransferParams
     first_token: int
     num_tokens: int
+    kv_digest: bytes  # of D's own prompt and the params' blocks (binding.py)
     recv: RecvRequest | None = None  # set once blocks are allocated
     dispatched: bool = False  # in a metadata the workers received
     aborted: bool = False
@@ -246,7 +253,15 @@ class ConnectorScheduler:
                         "locally", request_id, start, self.block_size)
             self._give_back(request_id, params, ok=True)
             return 0, False
-        self._planned[request_id] = _Load(params, start, end - start)
+        try:
+            # D's own prompt, not P's: P refuses the read unless they are the same
+            digest = kv_digest(request.prompt_token_ids[: params.remote_num_tokens],
+                               params.remote_block_ids)
+        except ValueError as exc:
+            logger.warning("request %r: %s; prefilling locally", request_id, exc)
+            self._give_back(request_id, params, ok=False)
+            return 0, False
+        self._planned[request_id] = _Load(params, start, end - start, digest)
         return end - start, True
 
     def update_state_after_alloc(
@@ -294,6 +309,7 @@ class ConnectorScheduler:
             remote_port=p.remote_port, remote_tp_size=p.remote_tp_size,
             remote_pp_size=p.remote_pp_size, remote_block_size=p.remote_block_size,
             remote_block_ids=list(p.remote_block_ids), grant=p.grant,
+            kv_digest=load.kv_digest,
         )
         self._loads[request_id] = load
         for block_id in load.written_block_ids(self.block_size):
@@ -466,9 +482,17 @@ class ConnectorScheduler:
         if num_tokens < 2:  # D recomputes the last prompt token anyway: nothing to read
             return False, None
         held = block_ids[: math.ceil(num_tokens / self.block_size)]
+        try:
+            # binds the grant to these tokens in these blocks (binding.py): D sends
+            # the digest of its own prompt and P's reads are refused unless it is equal
+            digest = kv_digest(request.prompt_token_ids[:num_tokens], held)
+        except ValueError as exc:
+            logger.warning("request %r: cannot serve its KV: %s", request_id, exc)
+            return False, None
         grant = secrets.token_urlsafe(16)
         self._to_send.append(SendRequest(
-            request_id=request_id, block_ids=held, grant=grant, lease_s=self.lease_s))
+            request_id=request_id, block_ids=held, grant=grant, lease_s=self.lease_s,
+            kv_digest=digest))
         self._held[request_id] = len(held)
         self._stats.num_grants_issued += 1
         topo = self.topology

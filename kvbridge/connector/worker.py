@@ -212,6 +212,7 @@ class ConnectorWorker:
                 port=recv.remote_port, remote_block_ids=recv.remote_block_ids,
                 local_block_ids=recv.local_block_ids, grant=recv.grant,
                 num_tokens=recv.num_tokens, first_token=recv.first_token,
+                prompt_digest=recv.kv_digest,
             )
         except ConfigError as exc:  # reported as a failed load with the next output
             logger.warning("read of %r not started: %s", recv.request_id, exc)
@@ -223,6 +224,8 @@ class ConnectorWorker:
 
         A grant that cannot be issued is reported as finished sending at once,
         so the engine frees the blocks instead of holding them for nobody.
+        Each grant is bound to its ``kv_digest``: reads naming another prompt
+        (or the blocks in another order) are refused by the agent.
         """
         agent = self._require_agent()
         meta, self._meta = self._meta, None
@@ -230,8 +233,8 @@ class ConnectorWorker:
             try:
                 if self._host is not None:
                     copy_blocks(self._device, self._host, send.block_ids)
-                agent.issue_grant(send.request_id, send.block_ids, None,
-                                  lease_s=send.lease_s, token=send.grant)
+                agent.issue_grant(send.request_id, send.block_ids, None, lease_s=send.lease_s,
+                                  token=send.grant, prompt_digest=send.kv_digest)
             except KVBridgeError as exc:
                 logger.warning("cannot hold %r for readers: %s", send.request_id, exc)
                 self._sending.add(send.request_id)

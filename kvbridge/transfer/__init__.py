@@ -2,3 +2,7 @@
 
 Entry point: :class:`kvbridge.transfer.agent.TransferAgent` (one per worker).
 """
+
+from kvbridge.transfer.security import prompt_digest
+
+__all__ = ["prompt_digest"]

@@ -292,6 +292,7 @@ class TransferAgent:
         num_expected_readers: int | None,
         lease_s: float | None = None,
         token: str | None = None,
+        prompt_digest: bytes | None = None,
     ) -> Grant:
         """Hold ``block_ids`` for readers of ``request_id``; see ``GrantTable.issue``.
 
@@ -301,13 +302,18 @@ class TransferAgent:
             token: a token chosen by the engine and shared by all its ranks (readers
                 send one token to every rank); default: the table's own random one.
                 It must be unguessable (e.g. ``secrets.token_urlsafe(16)``).
+            prompt_digest: ``kvbridge.transfer.prompt_digest`` of the prompt whose KV
+                the blocks hold; reads naming another prompt are then refused
+                (``prompt_mismatch``). None leaves the grant unbound.
 
         Raises:
             ConfigError: as ``GrantTable.issue``, or ``token`` shorter than 16 chars.
         """
         if token is not None and len(token) < 16:
             raise ConfigError(f"grant token must have >= 16 characters, got {len(token)}")
-        grant = self.grants.issue(request_id, block_ids, num_expected_readers, lease_s)
+        grant = self.grants.issue(
+            request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest
+        )
         if token is None:
             return grant
         self._aliases[token] = grant.token
@@ -327,6 +333,7 @@ class TransferAgent:
         grant: str,
         num_tokens: int,
         first_token: int = 0,
+        prompt_digest: bytes | None = None,
     ) -> None:
         """Begin pulling a request's blocks from a remote engine; returns at once.
 
@@ -352,6 +359,9 @@ class TransferAgent:
             grant: the grant token the serving engine issued for the request.
             num_tokens: tokens to load (> 0).
             first_token: first token to load; tokens before it are left alone.
+            prompt_digest: ``kvbridge.transfer.prompt_digest`` of this request's
+                prompt, sent with every read; a grant bound to another prompt
+                refuses the read and its blocks are reported failed.
 
         Raises:
             ConfigError: bad arguments (nothing started), or the agent is not running.
@@ -363,16 +373,18 @@ class TransferAgent:
         end_token = first_token + num_tokens
         local_needed = math.ceil(end_token / block_size) if num_tokens > 0 else 0
         if (num_tokens < 1 or first_token < 0 or len(local_block_ids) < local_needed
-                or not remote_block_ids):
+                or not remote_block_ids
+                or (prompt_digest is not None and not 1 <= len(prompt_digest) <= 64)):
             raise ConfigError(
                 f"read {request_id!r}: {num_tokens} tokens from token {first_token} need "
                 f"{local_needed} local blocks (got {len(local_block_ids)}) and a non-empty "
-                f"remote block list (got {len(remote_block_ids)})"
+                f"remote block list (got {len(remote_block_ids)}); a prompt digest has "
+                f"1..64 bytes"
             )
         job = ReadJob(
             request_id, engine_id, host, port, tuple(remote_block_ids),
             tuple(local_block_ids[:local_needed]), grant, num_tokens, time.monotonic(),
-            first_token=first_token,
+            first_token=first_token, prompt_digest=prompt_digest or b"",
         )
         running.loop.call_soon_threadsafe(running.reads.submit, job)
 

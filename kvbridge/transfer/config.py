@@ -47,6 +47,9 @@ class AgentConfig:
         grant_wait_s: how long the server waits for a grant it has not issued yet
             (the engine returns the token to D before its workers issue it), before
             rejecting a read or dropping a done report naming it.
+        direct_reads: read straight from the server's blocks into ours when both
+            caches store them alike (no staging, pack or unpack); False forces
+            the staged path (tests, or a transport that handles IOV messages badly).
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
             (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
@@ -68,11 +71,16 @@ class AgentConfig:
     renew_every_s: float = 10.0
     expire_every_s: float = 0.2
     grant_wait_s: float = 2.0
+    direct_reads: bool = True
     test_chunk_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "direct_reads":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"AgentConfig.direct_reads must be a bool, got {value!r}")
+                continue
             zero_ok = f.name in _ZERO_ALLOWED
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
             if not (numeric and math.isfinite(value) and (value > 0 or zero_ok and value == 0)):

@@ -77,6 +77,7 @@ from kvbridge.transfer.clock import Clock
 ReleaseReason = Literal["done", "expired", "revoked"]
 
 TOKEN_NBYTES = 16
+MAX_DIGEST_NBYTES = 64
 TOKEN_LEN = len(secrets.token_urlsafe(TOKEN_NBYTES))  # 22 characters
 _NUM_IDS_IN_MESSAGE = 8
 
@@ -110,6 +111,7 @@ class Grant:
     block_ids: tuple[int, ...]
     expires_at: float
     num_expected_readers: int | None  # None: set on first reader contact
+    prompt_digest: bytes | None = None  # a read must name the same prompt (None: unbound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,7 @@ class GrantTable:
         block_ids: Sequence[int],
         num_expected_readers: int | None,
         lease_s: float | None = None,
+        prompt_digest: bytes | None = None,
     ) -> Grant:
         """Hold ``block_ids`` for ``request_id`` under a new random token.
 
@@ -217,6 +220,8 @@ class GrantTable:
             num_expected_readers: distinct readers that must report before release;
                 None when not known yet (see ``set_expected_readers``).
             lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
+            prompt_digest: ``security.prompt_digest`` of the prompt the blocks hold;
+                the server refuses reads naming another prompt. None: unbound.
 
         Returns:
             The new grant (``token`` is a 22-character url-safe ``str``).
@@ -231,6 +236,10 @@ class GrantTable:
             raise ConfigError("request_id must be a non-empty string")
         if num_expected_readers is not None and num_expected_readers < 1:
             raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
+        if prompt_digest is not None and not 1 <= len(prompt_digest) <= MAX_DIGEST_NBYTES:
+            raise ConfigError(
+                f"prompt_digest must have 1..{MAX_DIGEST_NBYTES} bytes, got {len(prompt_digest)}"
+            )
         lease = self._default_lease_s if lease_s is None else lease_s
         _check_lease(lease)
         ids = tuple(operator.index(b) for b in block_ids)
@@ -247,7 +256,7 @@ class GrantTable:
             while token in self._entries or token in self._tombstones:  # ~never
                 token = secrets.token_urlsafe(TOKEN_NBYTES)
             expires_at = self._clock.now() + min(lease, self._max_lease_s)
-            grant = Grant(token, request_id, ids, expires_at, num_expected_readers)
+            grant = Grant(token, request_id, ids, expires_at, num_expected_readers, prompt_digest)
             self._entries[token] = _Entry(grant, block_set)
             self._token_by_request[request_id] = token
             self._push_expiry(expires_at, token)

@@ -48,12 +48,14 @@ from kvbridge.transfer.ucx import UcxWorker
 
 logger = logging.getLogger(__name__)
 
+_REPORT_GRACE_S = 0.5  # close() lets done reports in flight finish this long
+
 
 #: Rejects that prove a live server judged this request or this reader.
 _VERDICTS = frozenset({
     wire.RejectReason.UNKNOWN_GRANT, wire.RejectReason.EXPIRED_GRANT,
-    wire.RejectReason.NOT_GRANTED, wire.RejectReason.VERSION, wire.RejectReason.COMPAT,
-    wire.RejectReason.AUTH,
+    wire.RejectReason.NOT_GRANTED, wire.RejectReason.PROMPT_MISMATCH,
+    wire.RejectReason.VERSION, wire.RejectReason.COMPAT, wire.RejectReason.AUTH,
 })
 
 
@@ -71,6 +73,7 @@ class ReadJob:
     num_tokens: int
     submitted_at: float
     first_token: int = 0
+    prompt_digest: bytes = b""  # security.prompt_digest of the reader's prompt; b"": none
     notify_only: bool = False  # send ReadDone(ok) to every planned rank, read nothing
     ok: bool = True  # the ReadDone flag of a notify-only job
 
@@ -87,6 +90,8 @@ class TransferStats:
         num_messages: control messages and data chunks exchanged.
         num_remote_ranks: remote ranks contacted.
         error: the first failure, empty when ok.
+        num_direct: plan items read direct, block memory to block memory (the
+            rest were staged: packed, sent, unpacked).
     """
 
     request_id: str
@@ -96,6 +101,7 @@ class TransferStats:
     num_messages: int
     num_remote_ranks: int
     error: str = ""
+    num_direct: int = 0
 
 
 class Reads:
@@ -108,6 +114,7 @@ class Reads:
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._opening: dict[tuple[str, int], asyncio.Task[PeerLink]] = {}
         self._jobs: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[None]] = set()  # done reports being sent
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
@@ -230,7 +237,7 @@ class Reads:
         try:
             result = await link.read(
                 item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
-                job.first_token,
+                job.first_token, job.prompt_digest,
             )
         except BaseException:
             if link.alive:
@@ -239,8 +246,25 @@ class Reads:
             raise
         finally:
             renewer.cancel()
-        await link.notify(job.grant, self.reader_id, True)
+        self._notify_later(link, job.grant)  # the data is here: do not wait for the report
         return result
+
+    def _notify_later(self, link: PeerLink, grant: str) -> None:
+        """Report a successful read to the server in the background.
+
+        If the report is lost (link died), the server frees the blocks when the
+        lease expires; the read itself already succeeded.
+        """
+
+        async def report() -> None:
+            try:
+                await link.notify(grant, self.reader_id, True)
+            except TransferError as exc:
+                logger.info("done report to %s not delivered: %s", link.peer, exc)
+
+        task = asyncio.create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def _renew_while_reading(self, link: PeerLink, grant: str) -> None:
         cfg = self._ctx.config
@@ -272,6 +296,7 @@ class Reads:
             num_messages=sum(r.num_messages for r in results) + num_ranks,
             num_remote_ranks=num_ranks,
             error="" if ok else f"{type(errors[0]).__name__}: {errors[0]}",
+            num_direct=sum(r.direct for r in results),
         )
         with self._lock:
             self._finished.add(job.request_id)
@@ -283,14 +308,19 @@ class Reads:
 
     def abort_all(self) -> None:
         """Cancel every job and drop every link without goodbyes."""
-        for task in self._jobs:
+        for task in (*self._jobs, *self._reports):
             task.cancel()
         for link in self._links.values():
             link.abort()
 
     async def close(self) -> None:
-        """Cancel jobs, then close every link gracefully."""
+        """Cancel jobs, let done reports go out (briefly), then close every link gracefully."""
         for task in list(self._jobs):
             task.cancel()
         await asyncio.gather(*self._jobs, return_exceptions=True)
+        if self._reports:
+            await asyncio.wait(list(self._reports), timeout=_REPORT_GRACE_S)
+        for task in list(self._reports):
+            task.cancel()
+        await asyncio.gather(*self._reports, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self._links.values()))

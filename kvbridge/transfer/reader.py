@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import msgspec
+import numpy as np
 import torch
 
 from kvbridge.errors import ConfigError
@@ -33,6 +35,13 @@ from kvbridge.layout import KVLayout
 from kvbridge.topology import EngineTopology, RemoteRead
 from kvbridge.transfer import wire
 from kvbridge.transfer.config import AgentConfig, LocalKV
+from kvbridge.transfer.direct import (
+    MAX_RANGES_PER_CHUNK,
+    HeadSpan,
+    block_ranges,
+    head_span,
+    num_planes,
+)
 from kvbridge.transfer.errors import (
     PeerClosedError,
     PeerTimeoutError,
@@ -41,8 +50,10 @@ from kvbridge.transfer.errors import (
     TransferError,
 )
 from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.iov import post_recv_iov
 from kvbridge.transfer.server import channel_of
 from kvbridge.transfer.staging import Buffer, BufferPool
+from kvbridge.transfer.ucp_lib import UcpLibrary
 from kvbridge.transfer.ucx import UcxConnection, UcxWorker
 
 logger = logging.getLogger(__name__)
@@ -58,6 +69,7 @@ class ReaderContext:
     pool: BufferPool
     executor: Executor
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
+    ucp: UcpLibrary = field(default_factory=UcpLibrary)
 
 
 @dataclass(slots=True)
@@ -66,6 +78,7 @@ class ItemResult:
 
     nbytes: int
     num_messages: int
+    direct: bool = False  # block memory to block memory, no staging
 
 
 class PeerLink:
@@ -105,6 +118,11 @@ class PeerLink:
             conn.abort()
             raise
         return cls(ctx, conn, meta)
+
+    @property
+    def peer(self) -> str:
+        """The server's address, for logs."""
+        return self._conn.peer
 
     @property
     def alive(self) -> bool:
@@ -200,12 +218,14 @@ class PeerLink:
         local_block_ids: Sequence[int],
         num_tokens: int,
         first_token: int = 0,
+        prompt_digest: bytes = b"",
     ) -> ItemResult:
         """Pull one plan item's heads and layers of the request into the local cache.
 
         Tokens ``[first_token, first_token + num_tokens)`` are read; the remote
         blocks covering them are sent whole and the tokens before ``first_token``
-        in the first of them are skipped on unpack (see ``_TokenWindow``).
+        in the first of them are skipped on unpack (see ``_TokenWindow``). When
+        both caches store the blocks alike, the read is direct (``_read_direct``).
 
         Raises:
             RejectedError: the server refused the read (grant unknown/expired, ...).
@@ -227,12 +247,17 @@ class PeerLink:
                 f"cover tokens [{first_token}, {first_token + num_tokens})"
             )
         chunk_blocks = max(1, ctx.config.chunk_nbytes // wire_fmt.block_nbytes)
-        num_chunks = math.ceil(num_blocks / chunk_blocks)
         xfer_id = next(self._xfer_ids) % wire.MAX_XFER_ID + 1
         request = wire.ReadRequest(
             xfer_id, grant, block_ids, item.remote_heads.start, item.remote_heads.stop,
             item.remote_layers.start, item.remote_layers.stop, chunk_blocks,
+            prompt_digest=prompt_digest,
         )
+        local_span = self._direct_span(item, tokens)
+        if local_span is not None:
+            local_ids = local_block_ids[tokens.first_local_block :][:num_blocks]
+            return await self._read_direct(request, item, local_ids, local_span)
+        num_chunks = math.ceil(num_blocks / chunk_blocks)
         header = await self._request(("data", xfer_id), request)
         assert isinstance(header, wire.DataHeader)
         if (header.num_chunks, header.total_nbytes) != (num_chunks, wire_fmt.nbytes(num_blocks)):
@@ -253,6 +278,83 @@ class PeerLink:
             raise
         receiver.give_back(broken=False)
         return ItemResult(wire_fmt.nbytes(num_blocks), 3 + 2 * num_chunks)
+
+    def _direct_span(self, item: RemoteRead, tokens: _TokenWindow) -> HeadSpan | None:
+        """Our heads' run in a block plane if this item can be read direct, else None."""
+        meta, local = self.meta, self._ctx.local
+        topo = local.topology
+        alike = (
+            meta.is_mla == topo.is_mla and KVLayout.parse(meta.layout) is topo.layout
+            and meta.block_size == topo.block_size and meta.elem_nbytes == local.elem_nbytes
+            and meta.head_dim == local.head_dim and tokens.skip == 0
+            and tokens.local_offset == 0
+        )
+        if not alike or not self._ctx.config.direct_reads:
+            return None
+        heads = item.remote_heads
+        remote_run = meta.is_mla or topo.layout is KVLayout.HND or len(heads) == meta.num_heads
+        local_span = head_span(local, item.local_head_offset, item.local_head_offset + len(heads))
+        return local_span if remote_run else None
+
+    async def _read_direct(
+        self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
+        span: HeadSpan,
+    ) -> ItemResult:
+        """Receive the item's blocks straight into ours: post every chunk, then ask."""
+        ctx = self._ctx
+        layers = ctx.local.layers[item.local_layers.start : item.local_layers.stop]
+        per_block = len(layers) * num_planes(ctx.local)
+        chunk_blocks = max(1, min(request.chunk_blocks, MAX_RANGES_PER_CHUNK // per_block))
+        request = msgspec.structs.replace(request, chunk_blocks=chunk_blocks, direct=True)
+        ids = np.asarray(local_ids, dtype=np.int64)
+        num_chunks = math.ceil(ids.size / chunk_blocks)
+        channels = [channel_of(request.xfer_id, chunk) for chunk in range(num_chunks)]
+        arrivals = [
+            post_recv_iov(ctx.ucp, self._conn, block_ranges(
+                ctx.local, ids[chunk * chunk_blocks : (chunk + 1) * chunk_blocks], layers, span,
+            ), channel)
+            for chunk, channel in enumerate(channels)
+        ]
+        key = ("data", request.xfer_id)
+        refusal: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = refusal
+        landed = 0
+        try:
+            await self._send(request)
+            for arrived in arrivals:
+                await self._chunk_or_refusal(arrived, refusal)
+                landed += 1
+        except BaseException as exc:
+            for arrived in arrivals:
+                arrived.add_done_callback(_ignore_outcome)
+            if isinstance(exc, RejectedError) and self.alive:  # nothing was sent: unpost
+                for channel in channels[landed:]:
+                    self._conn.cancel_recv(channel)
+            else:  # bytes may still be landing in our blocks: the link is done
+                self._fail(exc if isinstance(exc, TransferError) else
+                           PeerClosedError("direct read abandoned with receives posted"))
+            raise
+        finally:
+            self._waiters.pop(key, None)
+        nbytes = ids.size * per_block * span.nbytes
+        return ItemResult(nbytes, 1 + num_chunks, direct=True)
+
+    async def _chunk_or_refusal(
+        self, arrived: asyncio.Future[None], refusal: asyncio.Future[wire.Message]
+    ) -> None:
+        timeout_s = self._ctx.config.chunk_timeout_s
+        done, _ = await asyncio.wait(
+            (arrived, refusal), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if arrived in done:
+            arrived.result()
+        elif refusal in done:
+            reply = refusal.result()
+            if isinstance(reply, wire.Reject):
+                raise RejectedError(reply.reason, reply.message)
+            raise ProtocolError(f"unexpected {type(reply).__name__} for a direct read")
+        else:
+            raise PeerTimeoutError(f"direct chunk from {self._conn.peer}: none in {timeout_s}s")
 
     def abort(self) -> None:
         """Drop the link now; reads on it fail. Idempotent."""
@@ -361,6 +463,11 @@ class _ChunkReceiver:
                 self.ctx.pool.release(buf)
         if broken:
             self.link._fail(PeerClosedError("read abandoned with receives posted"))
+
+
+def _ignore_outcome(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _unpack(

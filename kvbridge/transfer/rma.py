@@ -50,7 +50,6 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,7 +58,19 @@ import torch
 import ucxx._lib.libucxx as ucx_api
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError, TransferError
+from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError
+from kvbridge.transfer.ucp_lib import (
+    MEMORY_TYPE_HOST,
+    OP_MEMH,
+    OP_MEMORY_TYPE,
+    UCS_INPROGRESS,
+    UCS_OK,
+    MemMapParams,
+    RequestParam,
+    UcpError,
+    UcpLibrary,
+    ptr_status,
+)
 from kvbridge.transfer.ucx import UcxConnection, UcxWorker
 
 __all__ = [
@@ -82,28 +93,14 @@ MAX_PACKED_RKEY_NBYTES = 4096
 _RKEY_HEADER = struct.Struct("<QB")  # md_map, memory type
 _MAX_TRAILER_NBYTES = 1  # system device id
 _RKEY_SLACK_NBYTES = 256  # zero tail: a transport's fixed-size unpack never reads past it
-_UCS_OK, _UCS_INPROGRESS = 0, 1
-_UCS_ERR_LAST = -100
-_MEMORY_TYPE_HOST = 0
 # ucp_mem_map_params_t field bits, flags and protections (ucp.h)
 _MAP_ADDRESS, _MAP_LENGTH, _MAP_PROT, _MAP_MEMTYPE = 1 << 0, 1 << 1, 1 << 3, 1 << 4
 _PROT_LOCAL_RW, _PROT_REMOTE_READ, _PROT_REMOTE_WRITE = 0b11, 1 << 8, 1 << 9
-# ucp_request_param_t op_attr_mask bits
-_OP_MEMORY_TYPE, _OP_MEMH = 1 << 6, 1 << 8
 
 Offsets = npt.NDArray[np.int64]
 
 
-class RmaError(TransferError):
-    """A libucp call failed.
-
-    Attributes:
-        status: the ``ucs_status_t`` code (negative).
-    """
-
-    def __init__(self, what: str, status: int, name: str) -> None:
-        super().__init__(f"{what}: {name} ({status})")
-        self.status = status
+RmaError = UcpError  # a libucp call failed (name kept for RMA callers)
 
 
 class RkeyError(ProtocolError):
@@ -113,109 +110,6 @@ class RkeyError(ProtocolError):
 class OutOfRegionError(ValueError):
     """A range falls outside the registered or declared memory window."""
 
-
-# ----------------------------------------------------------------------------- ctypes
-class _MemMapParams(ctypes.Structure):
-    _fields_ = [
-        ("field_mask", ctypes.c_uint64),
-        ("address", ctypes.c_void_p),
-        ("length", ctypes.c_size_t),
-        ("flags", ctypes.c_uint),
-        ("prot", ctypes.c_uint),
-        ("memory_type", ctypes.c_int),
-        ("exported_memh_buffer", ctypes.c_void_p),
-    ]
-
-
-class _RequestParam(ctypes.Structure):
-    _fields_ = [
-        ("op_attr_mask", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("request", ctypes.c_void_p),
-        ("cb", ctypes.c_void_p),
-        ("datatype", ctypes.c_uint64),
-        ("user_data", ctypes.c_void_p),
-        ("reply_buffer", ctypes.c_void_p),
-        ("memory_type", ctypes.c_int),
-        ("recv_info", ctypes.c_void_p),
-        ("memh", ctypes.c_void_p),
-    ]
-
-
-def _find_library(stem: str) -> str:
-    """Path of the ``stem`` (libucp/libucs) this process already mapped, else libucx's."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if Path(path).name.startswith(f"{stem}.so"):
-                    return path
-    except OSError:
-        pass
-    import libucx  # the libucx-cu12 wheel that ucxx loads
-
-    return str(Path(libucx.__file__).parent / "lib" / f"{stem}.so")
-
-
-class UcpLibrary:
-    """The libucp/libucs functions this module calls, with their C signatures.
-
-    Args:
-        ucp_path: libucp to load; default the one ucxx already loaded (it must be
-            the same library: the handles are only meaningful to it).
-
-    Raises:
-        OSError: the library cannot be loaded.
-    """
-
-    def __init__(self, ucp_path: str | None = None) -> None:
-        if ctypes.sizeof(ctypes.c_void_p) != 8:
-            raise OSError("the libucp binding assumes a 64-bit process")
-        # ucs_status_t is a packed enum: one signed byte.
-        vp, sz, u64, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int8
-        ucp = ctypes.CDLL(ucp_path or _find_library("libucp"))
-        ucs = ctypes.CDLL(_find_library("libucs"))
-        ptr = ctypes.POINTER
-        self.mem_map = _fn(ucp.ucp_mem_map, st, vp, ptr(_MemMapParams), ptr(vp))
-        self.mem_unmap = _fn(ucp.ucp_mem_unmap, st, vp, vp)
-        # ucp_rkey_pack, not ucp_memh_pack: the latter packs only exported handles
-        # and aborts the process when asked for a plain remote key.
-        self.rkey_pack = _fn(ucp.ucp_rkey_pack, st, vp, vp, ptr(vp), ptr(sz))
-        self.rkey_buffer_release = _fn(ucp.ucp_rkey_buffer_release, None, vp)
-        self.rkey_unpack = _fn(ucp.ucp_ep_rkey_unpack, st, vp, vp, ptr(vp))
-        self.rkey_destroy = _fn(ucp.ucp_rkey_destroy, None, vp)
-        rma_args = (vp, vp, sz, u64, vp, ptr(_RequestParam))
-        self.put_nbx = _fn(ucp.ucp_put_nbx, vp, *rma_args)
-        self.get_nbx = _fn(ucp.ucp_get_nbx, vp, *rma_args)
-        self.ep_flush_nbx = _fn(ucp.ucp_ep_flush_nbx, vp, vp, ptr(_RequestParam))
-        self.request_check_status = _fn(ucp.ucp_request_check_status, st, vp)
-        self.request_free = _fn(ucp.ucp_request_free, None, vp)
-        self.status_string = _fn(ucs.ucs_status_string, ctypes.c_char_p, st)
-
-    def status_name(self, status: int) -> str:
-        """UCX's text for a status code."""
-        text = self.status_string(status)
-        return text.decode() if text else f"status {status}"
-
-    def check(self, status: int, what: str) -> None:
-        """Raise :class:`RmaError` unless ``status`` is UCS_OK."""
-        if status != _UCS_OK:
-            raise RmaError(what, status, self.status_name(status))
-
-
-def _fn(func: Any, restype: Any, *argtypes: Any) -> Any:
-    func.restype = restype
-    func.argtypes = list(argtypes)
-    return func
-
-
-def _ptr_status(value: int | None) -> int | None:
-    """None for a request pointer; else the status a UCS_PTR carries (NULL = OK)."""
-    if value is None:
-        return _UCS_OK
-    if value >= (1 << 64) + _UCS_ERR_LAST:
-        return value - (1 << 64)
-    return None
 
 
 # ------------------------------------------------------------------------- peer keys
@@ -241,7 +135,7 @@ def parse_packed_rkey(packed: bytes) -> dict[int, int]:
     # md_map may be 0: with no domain able to register (TCP only), UCX emulates
     # RMA with messages and the key carries nothing but its header.
     md_map, memory_type = _RKEY_HEADER.unpack_from(packed)
-    if memory_type != _MEMORY_TYPE_HOST:
+    if memory_type != MEMORY_TYPE_HOST:
         raise RkeyError(f"packed rkey is for memory type {memory_type}, not host memory")
     sizes, pos = {}, _RKEY_HEADER.size
     for md_index in (i for i in range(64) if md_map >> i & 1):
@@ -316,7 +210,7 @@ class Registration(_Handle):
     def _free(self, value: int) -> None:
         status = self._lib.mem_unmap(self._context, value)
         self._owner = None
-        if status != _UCS_OK:
+        if status != UCS_OK:
             logger.warning("ucp_mem_unmap of %d bytes: %s", self.nbytes,
                            self._lib.status_name(status))
 
@@ -351,7 +245,7 @@ class _Batch:
     lib: UcpLibrary
     users: tuple[_Handle, ...]
     pending: list[int] = field(default_factory=list)
-    status: int = _UCS_OK
+    status: int = UCS_OK
     what: str = ""
     ended: bool = False
 
@@ -360,15 +254,15 @@ class _Batch:
             user.acquire()
 
     def add(self, value: int | None, what: str) -> None:
-        status = _ptr_status(value)
+        status = ptr_status(value)
         if status is None:
             assert value is not None
             self.pending.append(value)
-        elif status != _UCS_OK:
+        elif status != UCS_OK:
             self._fail(status, what)
 
     def _fail(self, status: int, what: str) -> None:
-        if self.status == _UCS_OK:
+        if self.status == UCS_OK:
             self.status, self.what = status, what
 
     @property
@@ -376,11 +270,11 @@ class _Batch:
         still = []
         for request in self.pending:
             status = self.lib.request_check_status(request)
-            if status == _UCS_INPROGRESS:
+            if status == UCS_INPROGRESS:
                 still.append(request)
                 continue
             self.lib.request_free(request)
-            if status != _UCS_OK:
+            if status != UCS_OK:
                 self._fail(status, "rma request")
         self.pending = still
         if not still and not self.ended:
@@ -393,7 +287,7 @@ class _Batch:
         """No-op: ``raise_if_failed`` raises with the UCX status instead."""
 
     def raise_if_failed(self) -> None:
-        if self.status != _UCS_OK:
+        if self.status != UCS_OK:
             raise RmaError(self.what, self.status, self.lib.status_name(self.status))
 
 
@@ -512,10 +406,10 @@ class Rma:
         self._lib = lib or UcpLibrary()
         self._context: int = context.handle
         self._handles: list[_Handle] = []
-        self._op_param = _RequestParam(
-            op_attr_mask=_OP_MEMORY_TYPE | _OP_MEMH, memory_type=_MEMORY_TYPE_HOST
+        self._op_param = RequestParam(
+            op_attr_mask=OP_MEMORY_TYPE | OP_MEMH, memory_type=MEMORY_TYPE_HOST
         )
-        self._flush_param = _RequestParam(op_attr_mask=0)
+        self._flush_param = RequestParam(op_attr_mask=0)
         # What this host's own keys look like: a peer's key must name the same
         # memory domains with the same part sizes (see ``unpack_rkey``).
         probe = self.register_tensor(np.zeros(_PROBE_NBYTES, dtype=np.uint8), remote_write=True)
@@ -550,9 +444,9 @@ class Rma:
         prot = _PROT_LOCAL_RW
         prot |= _PROT_REMOTE_WRITE if remote_write else 0
         prot |= _PROT_REMOTE_READ if remote_read else 0
-        params = _MemMapParams(
+        params = MemMapParams(
             field_mask=_MAP_ADDRESS | _MAP_LENGTH | _MAP_PROT | _MAP_MEMTYPE,
-            address=address, length=nbytes, prot=prot, memory_type=_MEMORY_TYPE_HOST,
+            address=address, length=nbytes, prot=prot, memory_type=MEMORY_TYPE_HOST,
         )
         lib, memh = self._lib, ctypes.c_void_p()
         lib.check(lib.mem_map(self._context, ctypes.byref(params), ctypes.byref(memh)),
@@ -703,7 +597,7 @@ class Rma:
                 for i in range(first, min(first + _OPS_PER_YIELD, num_ops)):
                     batch.add(post(ep, local_addrs[i], op_sizes[i], remote_addrs[i], rkey, param),
                               op)
-                if batch.status != _UCS_OK:
+                if batch.status != UCS_OK:
                     break
             else:
                 batch.add(lib.ep_flush_nbx(ep, ctypes.byref(self._flush_param)),

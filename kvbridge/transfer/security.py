@@ -53,17 +53,19 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import numpy as np
 
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2  # 2: direct reads, prompt-bound grants
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning
@@ -124,6 +126,24 @@ def load_cluster_secret(
             source, len(secret), MIN_SECRET_NBYTES,
         )
     return secret
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """32-byte digest of a prompt's token ids, binding a grant to the prompt it holds.
+
+    P issues a grant with the digest of the prompt it prefilled; D sends the
+    digest of its own request's prompt with every read, and P refuses a read
+    whose digest differs: KV computed for one prompt never lands under another
+    prompt's block hashes in D's prefix cache.
+
+    Raises:
+        ValueError: a token id outside int64.
+    """
+    try:
+        packed = np.asarray(list(token_ids), dtype="<i8").tobytes()
+    except OverflowError as exc:
+        raise ValueError(f"token ids must fit int64: {exc}") from None
+    return hashlib.sha256(b"kvbridge-prompt-v1\0" + packed).digest()
 
 
 def make_nonce() -> bytes:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvbridge.errors import ConfigError
@@ -43,10 +45,13 @@ from kvbridge.transfer import grants as grant_errors
 from kvbridge.transfer import wire
 from kvbridge.transfer.clock import Clock
 from kvbridge.transfer.config import AgentConfig, LocalKV, topology_from_info
+from kvbridge.transfer.direct import MAX_RANGES_PER_CHUNK, block_ranges, head_span, num_planes
 from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
 from kvbridge.transfer.grants import GrantTable
 from kvbridge.transfer.handshake import Identity, recv_msg, reject, send_msg, serve_handshake
+from kvbridge.transfer.iov import send_iov
 from kvbridge.transfer.staging import Buffer, BufferPool
+from kvbridge.transfer.ucp_lib import UcpLibrary
 from kvbridge.transfer.ucx import UcxConnection
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,7 @@ class ServerContext:
     # Tokens chosen by the engine (shared by all its ranks) -> this table's own.
     aliases: dict[str, str] = field(default_factory=dict)
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
+    ucp: UcpLibrary = field(default_factory=UcpLibrary)
     reports: set[asyncio.Task[None]] = field(default_factory=set)  # done reports waiting
     sessions: set[Session] = field(default_factory=set)  # open sessions
     num_sessions_total: int = 0
@@ -263,6 +269,13 @@ def _check_request(local: LocalKV, req: wire.ReadRequest, max_chunk_nbytes: int)
         return f"chunk of {chunk_nbytes} bytes > limit {max_chunk_nbytes}"
     if math.ceil(len(req.block_ids) / req.chunk_blocks) > wire.MAX_CHUNKS:
         return f"more than {wire.MAX_CHUNKS} chunks"
+    if req.direct:
+        if head_span(local, req.head_start, req.head_end) is None:
+            return (f"heads [{req.head_start}, {req.head_end}) of this {local.topology.layout} "
+                    f"cache are not one run per block: read them staged")
+        num_ranges = req.chunk_blocks * (req.layer_end - req.layer_start) * num_planes(local)
+        if num_ranges > MAX_RANGES_PER_CHUNK:
+            return f"direct chunk of {num_ranges} ranges > limit {MAX_RANGES_PER_CHUNK}"
     return None
 
 
@@ -283,13 +296,26 @@ async def _serve_read(
         return
     token = await _resolve_grant(ctx, req.grant, num_readers)
     try:
-        ctx.grants.begin_read(token, req.block_ids)
+        grant = ctx.grants.begin_read(token, req.block_ids)
     except grant_errors.GrantError as exc:
         reads.pop(req.xfer_id, None)
         await reject(conn, ctx.codec, _grant_reason(exc), str(exc), req.xfer_id)
         return
+    if grant.prompt_digest is not None and not hmac.compare_digest(
+        grant.prompt_digest, req.prompt_digest
+    ):
+        ctx.grants.end_read(token)
+        reads.pop(req.xfer_id, None)
+        logger.warning("read %d from %s names another prompt than grant %s", req.xfer_id,
+                       conn.peer, grant.request_id)
+        await reject(conn, ctx.codec, R.PROMPT_MISMATCH,
+                     "the grant holds the KV of another prompt", req.xfer_id)
+        return
     try:
-        await _send_chunks(ctx, conn, req, reads[req.xfer_id])
+        if req.direct:
+            await _send_direct(ctx, conn, req)
+        else:
+            await _send_chunks(ctx, conn, req, reads[req.xfer_id])
         ctx.num_reads_served += 1
     except TransferError as exc:
         logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
@@ -334,6 +360,34 @@ async def _send_chunks(
             task.cancel()
         await asyncio.gather(*sends, return_exceptions=True)
     ctx.num_bytes_served += num_blocks * block_nbytes
+
+
+async def _send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest) -> None:
+    """Send each chunk as one message straight from the cache blocks (see ``direct.py``)."""
+    cfg, local = ctx.config, ctx.local
+    span = head_span(local, req.head_start, req.head_end)
+    assert span is not None  # _check_request
+    layers = local.layers[req.layer_start : req.layer_end]
+    ids = np.asarray(req.block_ids, dtype=np.int64)
+    num_chunks = math.ceil(ids.size / req.chunk_blocks)
+    sends: list[asyncio.Task[None]] = []
+    try:
+        for chunk in range(num_chunks):
+            if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
+                await asyncio.sleep(cfg.test_chunk_delay_s)
+            chunk_ids = ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
+            iov = block_ranges(local, chunk_ids, layers, span)
+            ctx.num_data_bytes_sent += int(iov[:, 1].sum())
+            sends.append(asyncio.create_task(send_iov(
+                ctx.ucp, conn, iov, channel_of(req.xfer_id, chunk),
+                timeout_s=cfg.chunk_timeout_s,
+            )))
+        await asyncio.gather(*sends)
+    finally:
+        for task in sends:
+            task.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+    ctx.num_bytes_served += ids.size * len(layers) * num_planes(local) * span.nbytes
 
 
 def _pack(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import struct
 import zlib
@@ -59,7 +60,7 @@ from kvbridge.transfer.errors import (
     TransferError,
 )
 
-__all__ = ["MAX_CHANNEL", "UcxConnection", "UcxWorker"]
+__all__ = ["MAX_CHANNEL", "SAFE_TLS", "UcxConnection", "UcxWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,13 @@ _FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
 _DRAIN_EVERY_S = 0.25
 _MAX_DRAIN = 4096  # stray messages dropped per pass
 _SCRATCH_NBYTES = 64  # stray messages land here, truncated
+#: Every transport but the cross-memory-attach ones. With peer error handling off
+#: (see above), a peer that dies while UCX copies its memory with
+#: process_vm_readv/writev (cma; knem and xpmem alike) makes UCX abort THIS
+#: process. Shared memory (posix/sysv) copies through segments both sides mapped,
+#: so a dead peer only stops the flow and our deadlines take over; measured as
+#: fast as cma for multi-MB messages on one host (docs/benchmarks.md).
+SAFE_TLS = "^cma,knem,xpmem"
 
 Bytes = npt.NDArray[np.uint8]
 ConnectHandler = Callable[["UcxConnection"], Awaitable[None]]
@@ -107,7 +115,8 @@ class UcxWorker:
         busy_poll_s: longest sleep on the epoll fd while bulk data is in flight.
         idle_poll_s: longest sleep on the epoll fd otherwise (a missed wakeup costs
             at most this).
-        config: extra UCX options (``UCX_`` prefix dropped); the rendezvous scheme
+        config: extra UCX options (``UCX_`` prefix dropped). Unless they or the
+            environment name ``TLS``, the transports are ``SAFE_TLS``. The rendezvous scheme
             defaults to ``get_zcopy``, which measured several times faster for
             multi-MB messages between processes on one host than ``auto``. The
             listener reuses its address (``CM_REUSEADDR``) so a restart keeps its port.
@@ -128,6 +137,8 @@ class UcxWorker:
         # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
         # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
         options = {"RNDV_SCHEME": "get_zcopy", "CM_REUSEADDR": "y", **(config or {})}
+        if "TLS" not in options and "UCX_TLS" not in os.environ:
+            options["TLS"] = SAFE_TLS
         self._context = ucx_api.UCXContext(
             options,
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
@@ -194,6 +205,8 @@ class UcxWorker:
                 continue
             try:
                 item.request.check_error()
+            except TransferError as exc:  # ours (iov.py): already typed
+                item.future.set_exception(exc)
             except Exception as exc:  # ucxx raises its own untyped hierarchy
                 item.future.set_exception(_map_ucx_error(exc, "ucx request"))
             else:
@@ -444,9 +457,51 @@ class UcxConnection:
         return bytes(magic), int(remote_id)
 
     def _tag(self, conn_id: int, channel: int) -> Any:
+        return ucx_api.UCXXTag(self._tag_value(conn_id, channel))
+
+    @staticmethod
+    def _tag_value(conn_id: int, channel: int) -> int:
         if not 0 <= channel <= MAX_CHANNEL:
             raise ValueError(f"channel {channel} outside [0, {MAX_CHANNEL}]")
-        return ucx_api.UCXXTag((conn_id << _CHANNEL_BITS) | channel)
+        return (conn_id << _CHANNEL_BITS) | channel
+
+    # Raw access for operations ucxx lacks (iov.py posts them through libucp).
+    def incoming_tag(self, channel: int) -> int:
+        """The 64-bit UCX tag of messages sent to this end on ``channel``."""
+        return self._tag_value(self.local_id, channel)
+
+    def outgoing_tag(self, channel: int) -> int:
+        """The 64-bit UCX tag of messages this end sends on ``channel``."""
+        return self._tag_value(self.remote_id, channel)
+
+    @property
+    def endpoint_handle(self) -> int:
+        """The ``ucp_ep_h`` (raises ``PeerClosedError`` once closed)."""
+        self._check_open("send")
+        handle: int = self._endpoint.handle
+        return handle
+
+    @property
+    def worker_handle(self) -> int:
+        """The ``ucp_worker_h`` of this connection's worker (raises once closed)."""
+        self._check_open("recv")
+        handle: int = self._worker._worker.handle
+        return handle
+
+    def track_send(self, request: Any, keep: object) -> asyncio.Future[None]:
+        """Future of a send posted outside this class; ``keep`` lives until it ends."""
+        return self._worker.track(request, keep, busy=True)
+
+    def track_recv(self, channel: int, request: Any, keep: object) -> asyncio.Future[None]:
+        """Like ``post_recv`` for a receive posted outside this class on ``channel``."""
+        self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
+        self._recvs.append((self._tag(self.local_id, channel), request))
+        return self._worker.track(request, keep, busy=True)
+
+    def cancel_recv(self, channel: int) -> None:
+        """End a posted receive nobody will send to (it completes with 0 bytes)."""
+        if not self._closed:
+            self._worker.complete_abandoned(self._tag(self.local_id, channel))
 
     async def send(self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True) -> None:
         """Send a contiguous uint8 buffer on ``channel``.

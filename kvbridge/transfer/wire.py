@@ -74,6 +74,7 @@ class RejectReason(StrEnum):
     UNKNOWN_GRANT = "unknown_grant"
     EXPIRED_GRANT = "expired_grant"
     NOT_GRANTED = "not_granted"  # block ids outside the grant
+    PROMPT_MISMATCH = "prompt_mismatch"  # the grant holds another prompt's KV
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
 
@@ -151,6 +152,10 @@ class ReadRequest(_Msg, tag="read"):
     layer_start: Count
     layer_end: Positive
     chunk_blocks: Positive  # blocks per data chunk
+    # True: the server sends each chunk straight from its cache blocks (no Credit,
+    # no DataHeader); the reader posted receives straight into its own blocks.
+    direct: bool = False
+    prompt_digest: Blob = b""  # the reader's prompt (security.prompt_digest); b"": none
 
 
 class DataHeader(_Msg, tag="data"):

@@ -147,3 +147,26 @@ def test_malformed_params_prefill_locally(
         finish(d)
     finally:
         d.close()
+
+
+def test_params_of_another_prompt_are_refused_and_d_caches_only_its_own_kv(
+    hosts: tuple[EngineHost, EngineHost],
+) -> None:
+    """P refuses a read for a prompt its grant was not issued for (``binding.py``)."""
+    p = engine(hosts[0], EngineSpec("p-bind", tp_size=2))
+    d = engine(hosts[1], EngineSpec("d-bind", block_size=32))
+    try:
+        victim, attacker = prompt(80, seed=7), prompt(80, seed=8)
+        params = prefill(p, "attacker", attacker)
+        status = decode(d, "victim", victim, params)  # KV checked against victim's own
+        assert status["ready_ok"] is True and status["num_computed_here"] == len(victim) + 1
+        stats = d.call("stats")
+        assert (stats.num_loads_failed, stats.num_transfers, stats.nbytes) == (1, 0, 0)
+        # the victim's blocks in D's prefix cache hold the victim's KV: a later
+        # request hits them and its whole KV is still right
+        again = decode(d, "again", victim, prefill(p, "honest", victim))
+        assert again["num_local"] == 64 and again["ready_ok"] is True
+        finish(p, d, timeout_s=10.0)  # the refused grant was given back, not left to expire
+    finally:
+        p.close()
+        d.close()

@@ -75,6 +75,7 @@ def test_read_that_cannot_start_is_reported_failed(workers: list[ConnectorWorker
         request_id="r", local_block_ids=[3], first_token=0, num_tokens=40,  # needs 3 blocks
         remote_engine_id="p", remote_host="127.0.0.1", remote_port=5600, remote_tp_size=1,
         remote_pp_size=1, remote_block_size=16, remote_block_ids=[1, 2, 3], grant="g" * 22,
+        kv_digest=bytes(32),
     )
     worker.start_load_kv(ConnectorMetadata(reqs_to_recv=[recv]))
     worker.wait_for_save()

@@ -417,7 +417,8 @@ class CaseMaker:
             return lambda _: Case(f"before_hello_{type(msg).__name__}", ((0, frame_of(msg)),),
                                   False, frozenset({R.BAD_REQUEST}))
         flaw = rng.choice(["version", "compat", "secret", "no_proof", "nonce", "topology"])
-        version = rng.choice([0, 2, 1 << 31]) if flaw == "version" else security.PROTOCOL_VERSION
+        wrong_versions = [0, security.PROTOCOL_VERSION + 1, 1 << 31]
+        version = rng.choice(wrong_versions) if flaw == "version" else security.PROTOCOL_VERSION
         compat = security.compat_hash(t.spec.compat())
         if flaw == "compat":
             compat = rng.choice(["", "0" * 64, compat[:-1] + "x", compat.upper()])

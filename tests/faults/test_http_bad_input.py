@@ -235,19 +235,43 @@ def test_half_a_body_then_hang_up_is_an_abort_not_a_crash(pd: PD) -> None:
     assert_settled(pd)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/reliability.md): a grant is not bound "
-                   "to the prompt, so a client that can reach P and D directly can load one "
-                   "prompt's KV under another prompt and poison D's prefix cache")
 def test_a_client_reaching_p_and_d_directly_cannot_poison_ds_prefix_cache(pd: PD) -> None:
     victim = "The victim's prompt: shared text that fills a few blocks, and a tail."
     other = "Attacker's text, exactly as long as the victim's prompt, but other!!!"
     assert len(victim) == len(other)
     body: dict[str, Any] = {"prompt": victim, "max_tokens": 6, "ignore_eos": True}
     expected = tokens(post(pd.prefill.url, body))  # P computes it all by itself
+    before = metrics(pd.decode.url)
     # the attacker prefills `other` on P, then asks D for `victim` with other's params
     p_answer = post(pd.prefill.url, {"prompt": other, "max_tokens": 1,
                                      "kv_transfer_params": {"do_remote_decode": True}})
     params = p_answer.json()["kv_transfer_params"]
-    assert post(pd.decode.url, {**body, "kv_transfer_params": params}).status_code == 200
+    attacked = post(pd.decode.url, {**body, "kv_transfer_params": params})
+    assert attacked.status_code == 200
+    # P refused every read (the grant holds another prompt): D recomputed the victim's prompt
+    assert tokens(attacked) == expected
+    after = metrics(pd.decode.url)
+    assert after["kvbridge_kv_transfer_bytes_total"] == before["kvbridge_kv_transfer_bytes_total"]
+    assert after["kvbridge_kv_loads_failed_total"] == before["kvbridge_kv_loads_failed_total"] + 1
     # an innocent client, through the proxy, must still get the right answer
     assert tokens(post(pd.proxy.url, body)) == expected
+    assert_settled(pd)  # the refused grant was given back: P holds nothing for 600 s
+
+
+def test_reordered_block_ids_cannot_poison_ds_prefix_cache(pd: PD) -> None:
+    """The right prompt with P's blocks named in another order: a read names blocks only
+    as a set, so the grant is bound to their order too, and D recomputes."""
+    victim = "Another victim whose prompt spans several of P's sixteen-token blocks."
+    body: dict[str, Any] = {"prompt": victim, "max_tokens": 6, "ignore_eos": True}
+    expected = tokens(post(pd.prefill.url, body))
+    p_answer = post(pd.prefill.url, {"prompt": victim, "max_tokens": 1,
+                                     "kv_transfer_params": {"do_remote_decode": True}})
+    params = p_answer.json()["kv_transfer_params"]
+    assert len(params["remote_block_ids"]) >= 4, params
+    before = metrics(pd.decode.url)
+    reordered = {**params, "remote_block_ids": params["remote_block_ids"][::-1]}
+    assert tokens(post(pd.decode.url, {**body, "kv_transfer_params": reordered})) == expected
+    after = metrics(pd.decode.url)
+    assert after["kvbridge_kv_transfer_bytes_total"] == before["kvbridge_kv_transfer_bytes_total"]
+    assert tokens(post(pd.proxy.url, body)) == expected
+    assert_settled(pd)

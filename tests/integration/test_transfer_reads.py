@@ -97,6 +97,10 @@ def read(
         )
 
 
+# Which scenarios read direct (block memory to block memory, no staging): same
+# layout, block size and dtype, and the moved heads one run per block plane.
+DIRECT = {"mla_p2_to_d1", "hnd_p2_to_d1_direct", "hnd_p1_to_d2_direct", "nhd_same_chunked"}
+
 SCENARIOS = {
     # P TP2 -> D TP1, NHD -> HND, P blocks of 16 -> D blocks of 32
     "p2_to_d1_relayout": (
@@ -122,6 +126,36 @@ SCENARIOS = {
         Spec("d-d", tp_size=1, num_kv_heads=2, layout="HND"),
         16 * 3 + 1,
     ),
+    # HND both sides: each P rank's heads land at their offset in D's blocks
+    "hnd_p2_to_d1_direct": (
+        Spec("p-e", tp_size=2, layout="HND", seed=5),
+        Spec("d-e", tp_size=1, layout="HND"),
+        16 * 5 + 3,
+    ),
+    # HND both sides: each D rank takes its half of P's heads
+    "hnd_p1_to_d2_direct": (
+        Spec("p-f", tp_size=1, layout="HND", seed=6),
+        Spec("d-f", tp_size=2, layout="HND"),
+        16 * 6,
+    ),
+    # NHD both sides, all heads; tiny chunks: 3 messages of 3, 3 and 2 blocks
+    "nhd_same_chunked": (
+        Spec("p-g", tp_size=1, seed=7, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
+        Spec("d-g", tp_size=1, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
+        16 * 7 + 9,
+    ),
+    # NHD both sides but D holds P's heads of two ranks: strided, so staged
+    "nhd_p2_to_d1_staged": (
+        Spec("p-h", tp_size=2, seed=8),
+        Spec("d-h", tp_size=1),
+        16 * 4 + 2,
+    ),
+    # the same blocks as nhd_same_chunked with direct reads switched off
+    "nhd_same_forced_staged": (
+        Spec("p-i", tp_size=1, seed=9),
+        Spec("d-i", tp_size=1, config={"direct_reads": False}),
+        16 * 7 + 9,
+    ),
 }
 
 
@@ -140,6 +174,8 @@ def test_read_matches_source(hosts: tuple[Host, Host], name: str) -> None:
             outcome = wait_read(agent, "req-1")
             assert outcome["failed"] == set(), outcome["stats"]
             assert all(s.ok and s.num_remote_ranks >= 1 for s in outcome["stats"])
+            num_direct = sum(s.num_direct for s in outcome["stats"])
+            assert (num_direct > 0) == (name in DIRECT), outcome["stats"]
         got = gather_logical(d_engine, d_blocks, num_tokens)
         want = gather_logical(p_engine, p_blocks, num_tokens)
         assert got.shape == want.shape

@@ -1,0 +1,92 @@
+"""Where a read's KV bytes sit in a rank's own cache, for direct (zero-staging) reads.
+
+When both ends store blocks the same way (layout, block size, element size,
+head dim) and the heads a read moves form one contiguous run inside each K or
+V plane of a block, the server can send block memory as it is and the reader
+can receive it straight into its own blocks (``iov.py``). Both ends list the
+ranges in the same order, so the byte streams line up::
+
+    for each layer of the read: for K then V (MLA: the latent rows only):
+        for each block of the chunk: [ plane of that block, heads of the read ]
+
+    HND block plane  [ h0 | h1 | h2 | h3 ]  heads h1..h2: one run  -> direct
+    NHD block plane  [ t0: h0 h1 h2 h3 | t1: h0 h1 h2 h3 | ... ]
+                     all heads: one run -> direct; a subset: strided -> staged
+
+Used by ``reader.py`` (decides, builds its receive ranges) and ``server.py``
+(re-checks on its side, builds its send ranges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvbridge.layout import KVLayout
+from kvbridge.transfer.config import LocalKV
+from kvbridge.transfer.iov import iov_array
+
+__all__ = ["MAX_RANGES_PER_CHUNK", "HeadSpan", "block_ranges", "head_span", "num_planes"]
+
+#: Ranges one data message may list (before merging adjacent ones).
+MAX_RANGES_PER_CHUNK = 1 << 14
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSpan:
+    """The bytes of some heads inside one K or V plane of one block."""
+
+    offset: int
+    nbytes: int
+
+
+def head_span(local: LocalKV, head_start: int, head_end: int) -> HeadSpan | None:
+    """Heads ``[head_start, head_end)`` of this rank's blocks as one run, or None if strided.
+
+    Args:
+        local: the rank's caches.
+        head_start, head_end: heads of this rank (MLA: ignored, the latent rows).
+    """
+    topo = local.topology
+    row_nbytes = local.head_dim * local.elem_nbytes
+    if topo.is_mla:
+        return HeadSpan(0, topo.block_size * row_nbytes)
+    num_heads = head_end - head_start
+    if topo.layout is KVLayout.HND:
+        return HeadSpan(head_start * topo.block_size * row_nbytes,
+                        num_heads * topo.block_size * row_nbytes)
+    if num_heads == local.num_heads:
+        return HeadSpan(0, topo.block_size * num_heads * row_nbytes)
+    return None
+
+
+def num_planes(local: LocalKV) -> int:
+    """Planes per block and layer: K and V, or MLA's single latent plane."""
+    return 1 if local.topology.is_mla else 2
+
+
+def block_ranges(
+    local: LocalKV, block_ids: npt.NDArray[np.int64], layers: Sequence[torch.Tensor],
+    span: HeadSpan,
+) -> npt.NDArray[np.uint64]:
+    """The ``ucp_dt_iov_t`` ranges of ``span`` in ``block_ids`` of ``layers`` (stream order).
+
+    Args:
+        local: the rank's caches (for the strides).
+        block_ids: this rank's block ids, in the read's order (checked by the caller).
+        layers: the layer caches of the read, in the read's order.
+        span: the heads' run inside a block plane (``head_span``).
+    """
+    first = layers[0]
+    block_nbytes = (first[0] if local.topology.is_mla else first[0, 0]).numel()
+    block_nbytes *= local.elem_nbytes
+    plane_nbytes = local.num_blocks * block_nbytes
+    bases = np.array([layer.data_ptr() for layer in layers], dtype=np.uint64)
+    planes = np.arange(num_planes(local), dtype=np.uint64) * np.uint64(plane_nbytes)
+    blocks = block_ids.astype(np.uint64) * np.uint64(block_nbytes) + np.uint64(span.offset)
+    addresses = bases[:, None, None] + planes[None, :, None] + blocks[None, None, :]
+    return iov_array(addresses.reshape(-1), np.full(addresses.size, span.nbytes, np.uint64))
