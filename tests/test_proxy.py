@@ -1,26 +1,32 @@
-"""The P/D proxy in-process, against small in-process backends that record what they get.
+"""The P/D proxy in-process, against small backends that record what they get.
 
-The backends are plain ASGI apps behind a transport that routes by host (an
+Most backends are plain ASGI apps behind a transport that routes by host (an
 unknown host refuses the connection), so the tests see exactly what P and D
-receive and can make either fail, stall or break a stream. The proxy against
-real ``kvbridge serve`` processes is in ``tests/integration/test_serve_http.py``.
+receive and can make either fail, stall or break a stream. The health tests at
+the end run the same backends as real HTTP servers on loopback (uvicorn), with a
+dead one being a bound port that does not listen (connections are refused). The
+proxy against real ``kvbridge serve`` processes is in
+``tests/integration/test_serve_http.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.errors import ConfigError
-from kvbridge.proxy import ProxyConfig, backend_urls, build_proxy_app
+from kvbridge.proxy import PDProxy, ProxyConfig, backend_urls, build_proxy_app
 
 T = TypeVar("T")
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.1",
@@ -35,6 +41,7 @@ class Backend:
     name: str
     mode: str = "ok"
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    num_health_checks: int = 0
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -54,6 +61,7 @@ class Backend:
             return JSONResponse({"answered_by": self.name, "kv_transfer_params": params})
 
         async def health() -> JSONResponse:
+            self.num_health_checks += 1
             return JSONResponse({"status": "ok"}, 200 if self.mode != "sick" else 503)
 
         app.add_api_route("/v1/completions", completions, methods=["POST"])
@@ -82,7 +90,8 @@ class _LiveStream(httpx.AsyncByteStream):
 class Routes(httpx.AsyncBaseTransport):
     """Sends each request to the backend named by its host; unknown hosts refuse.
 
-    A ``break`` backend's streams are served live, so they can fail mid-way.
+    A ``break`` backend's streams are served live, so they can fail mid-way; a
+    ``drop`` backend reads the request and closes the connection unanswered.
     """
 
     def __init__(self, backends: list[Backend]) -> None:
@@ -94,6 +103,9 @@ class Routes(httpx.AsyncBaseTransport):
         if host not in self._apps:
             raise httpx.ConnectError("connection refused", request=request)
         backend = self._backends[host]
+        if backend.mode == "drop":  # got the request, then the connection went away
+            backend.bodies.append(json.loads(await request.aread()))
+            raise httpx.RemoteProtocolError("server disconnected without a response")
         if backend.mode == "break":
             backend.bodies.append(json.loads(await request.aread()))
             return httpx.Response(200, headers={"content-type": "text/event-stream"},
@@ -182,12 +194,12 @@ def test_a_stream_that_breaks_ends_with_an_error_event() -> None:
     ("p", "400", False, 400, "bad max_tokens"),  # the client's mistake: passed through
     ("p", "500", False, 502, "prefill http://p/v1/completions answered 500: boom"),
     ("p", "stall", False, 502, "prefill http://p/v1/completions did not answer within 0.5 s"),
-    ("p", "gone", False, 502, "prefill http://p/v1/completions failed: ConnectError"),
+    ("p", "gone", False, 503, "prefill http://p/v1/completions failed: ConnectError"),
     ("d", "500", False, 502, "decode http://d/v1/completions answered 500: boom"),
     ("d", "500", True, 502, "decode http://d/v1/completions answered 500: boom"),
     ("d", "stall", False, 502, "decode http://d/v1/completions did not answer within 0.5 s"),
     ("d", "stall", True, 502, "decode http://d/v1/completions did not answer within 0.5 s"),
-    ("d", "gone", True, 502, "decode http://d/v1/completions failed: ConnectError"),
+    ("d", "gone", True, 503, "decode http://d/v1/completions failed: ConnectError"),
 ])
 def test_backend_failures_give_clear_errors(failing: str, mode: str, stream: bool, status: int,
                                             words: str) -> None:
@@ -248,3 +260,247 @@ def test_config_validation() -> None:
         ProxyConfig(("http://a",), ("ftp://b",))
     with pytest.raises(ConfigError, match="read_timeout_s"):
         ProxyConfig(("http://a",), ("http://b",), read_timeout_s=0)
+
+
+def test_a_stream_is_never_retried_on_another_decode() -> None:
+    p, d1, d2 = Backend("p"), Backend("d1", mode="break"), Backend("d2")
+
+    async def scenario(client: httpx.AsyncClient) -> str:
+        return (await client.post("/v1/completions", json={**REQUEST, "stream": True})).text
+
+    text = run([p, d1, d2], ["p"], ["d1", "d2"], scenario)
+    assert "failed mid-stream" in text and text.endswith("data: [DONE]\n\n")
+    assert len(d1.bodies) == 1 and d2.bodies == []
+
+
+# --- health: real HTTP servers on loopback -------------------------------------------------
+
+
+def _bound_socket() -> socket.socket:
+    """A loopback port that refuses connections until ``listen()`` (no other taker meanwhile)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()
+    return f"http://{host}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def serving(backend: Backend, sock: socket.socket) -> AsyncIterator[None]:
+    """``backend`` as a uvicorn server on ``sock`` until the block ends."""
+    sock.listen()
+    server = uvicorn.Server(uvicorn.Config(backend.app(), log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    async with asyncio.timeout(10):
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task
+
+
+@dataclass
+class Clock:
+    """Monotonic time the test moves by hand (no sleeping for back-offs)."""
+
+    now_s: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def run_live(prefill: list[socket.socket], decode: list[socket.socket],
+             scenario: Callable[[httpx.AsyncClient, PDProxy], Awaitable[T]], clock: Clock,
+             live: list[tuple[Backend, socket.socket]], **limits: Any) -> T:
+    """The proxy in-process, its backends real servers; the sockets not in ``live`` refuse."""
+    config = ProxyConfig(tuple(map(_url, prefill)), tuple(map(_url, decode)), **limits)
+
+    async def main() -> T:
+        async with contextlib.AsyncExitStack() as stack:
+            for backend, sock in live:
+                await stack.enter_async_context(serving(backend, sock))
+            app = build_proxy_app(config, clock=clock)
+            client = await stack.enter_async_context(httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30))
+            proxy: PDProxy = app.state.proxy
+            try:
+                return await scenario(client, proxy)
+            finally:
+                await proxy.aclose()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        for sock in prefill + decode:
+            sock.close()
+
+
+@contextlib.asynccontextmanager
+async def dropping(sock: socket.socket, accepted: list[int]) -> AsyncIterator[None]:
+    """A server on ``sock`` that closes every connection unanswered, counting them."""
+
+    async def drop(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(drop, sock=sock)
+    async with server:
+        yield
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("death", ["refuses", "drops"])
+def test_a_dead_prefill_backend_is_skipped_and_every_request_succeeds(
+        death: str, stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    dead, p_sock, d_sock = _bound_socket(), _bound_socket(), _bound_socket()
+    p, d = Backend("p"), Backend("d")
+    accepted: list[int] = []
+    num_requests = 5
+
+    async def scenario(client: httpx.AsyncClient, proxy: PDProxy) -> list[int]:
+        async with contextlib.AsyncExitStack() as stack:
+            if death == "drops":
+                await stack.enter_async_context(dropping(dead, accepted))
+            codes = []
+            for _ in range(num_requests):
+                r = await client.post("/v1/completions", json={**REQUEST, "stream": stream})
+                codes.append(r.status_code)
+            assert proxy.prefill_pool.is_down(_url(dead))
+            assert not proxy.prefill_pool.is_down(_url(p_sock))
+            return codes
+
+    codes = run_live([dead, p_sock], [d_sock], scenario, Clock(), [(p, p_sock), (d, d_sock)])
+    assert codes == [200] * num_requests
+    assert len(p.bodies) == len(d.bodies) == num_requests  # the first one by retry
+    retries = [r for r in caplog.records if "retrying on another prefill" in r.getMessage()]
+    assert len(retries) == 1  # after the first failure the dead one was skipped
+    assert accepted == ([1] if death == "drops" else [])
+    assert p.num_health_checks == 0  # a healthy backend is not probed on the request path
+
+
+def test_all_prefill_backends_dead_gives_503_with_each_reason() -> None:
+    p1, p2, d_sock = _bound_socket(), _bound_socket(), _bound_socket()
+    d = Backend("d")
+    p_urls = [_url(p1), _url(p2)]
+
+    async def scenario(client: httpx.AsyncClient, _proxy: PDProxy) -> list[httpx.Response]:
+        return [await client.post("/v1/completions", json=REQUEST) for _ in range(2)]
+
+    answers = run_live([p1, p2], [d_sock], scenario, Clock(), [(d, d_sock)])
+    for r in answers:  # the first tried both; the second probed both, in vain
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error["type"] == "service_unavailable"
+        assert error["message"].startswith("no prefill backend is usable")
+        assert all(f"{url}: " in error["message"] for url in p_urls)
+    first = answers[0].json()["error"]["message"]
+    for url in p_urls:
+        assert f"prefill {url}/v1/completions failed: ConnectError" in first
+    assert "health check: ConnectError" in answers[1].json()["error"]["message"]
+    assert d.bodies == []
+
+
+def test_no_usable_decode_refuses_before_prefill() -> None:
+    p_sock, dead = _bound_socket(), _bound_socket()
+    p = Backend("p")
+
+    async def scenario(client: httpx.AsyncClient, _proxy: PDProxy) -> list[httpx.Response]:
+        return [await client.post("/v1/completions", json=REQUEST) for _ in range(2)]
+
+    answers = run_live([p_sock], [dead], scenario, Clock(), [(p, p_sock)])
+    assert [r.status_code for r in answers] == [503, 503]
+    assert all("no decode backend is usable" in r.json()["error"]["message"] for r in answers)
+    assert len(p.bodies) == 1  # only the first request, before D was known to be down
+
+
+def test_a_recovered_backend_is_used_again_after_the_backoff() -> None:
+    p1_sock, p2_sock, d_sock = _bound_socket(), _bound_socket(), _bound_socket()
+    p1, p2, d = Backend("p1"), Backend("p2"), Backend("d")
+    clock = Clock()
+
+    async def scenario(client: httpx.AsyncClient, _proxy: PDProxy) -> None:
+        async def complete() -> None:
+            assert (await client.post("/v1/completions", json=REQUEST)).status_code == 200
+
+        await complete()  # p1 refuses -> marked down, retried on p2
+        async with serving(p1, p1_sock):
+            for _ in range(3):  # p1 is back, but its back-off still runs
+                await complete()
+            assert (len(p1.bodies), len(p2.bodies), p1.num_health_checks) == (0, 4, 0)
+            clock.now_s += 2.5  # past the back-off: p1 is probed, then used again
+            for _ in range(4):
+                await complete()
+            assert (len(p1.bodies), len(p2.bodies), p1.num_health_checks) == (2, 6, 1)
+
+    run_live([p1_sock, p2_sock], [d_sock], scenario, clock, [(p2, p2_sock), (d, d_sock)],
+             unhealthy_backoff_s=2.0)
+
+
+def test_the_only_backend_serves_as_soon_as_it_is_back() -> None:
+    p_sock, d_sock = _bound_socket(), _bound_socket()
+    p, d = Backend("p"), Backend("d")
+
+    async def scenario(client: httpx.AsyncClient, _proxy: PDProxy) -> list[int]:
+        codes = [(await client.post("/v1/completions", json=REQUEST)).status_code]
+        async with serving(p, p_sock):  # back within its back-off: no one else to use
+            codes.append((await client.post("/v1/completions", json=REQUEST)).status_code)
+        return codes
+
+    assert run_live([p_sock], [d_sock], scenario, Clock(), [(d, d_sock)]) == [503, 200]
+    assert (len(p.bodies), p.num_health_checks) == (1, 1)
+
+
+def test_a_backend_failing_its_probe_stays_skipped() -> None:
+    p1_sock, p2_sock, d_sock = _bound_socket(), _bound_socket(), _bound_socket()
+    p1, p2, d = Backend("p1", mode="sick"), Backend("p2"), Backend("d")
+    clock = Clock()
+
+    async def scenario(client: httpx.AsyncClient, _proxy: PDProxy) -> None:
+        assert (await client.post("/v1/completions", json=REQUEST)).status_code == 200
+        async with serving(p1, p1_sock):
+            clock.now_s += 1.5
+            for _ in range(3):  # probed once, answers 503 on /health: a new back-off
+                assert (await client.post("/v1/completions", json=REQUEST)).status_code == 200
+        assert (p1.bodies, len(p2.bodies), p1.num_health_checks) == ([], 4, 1)
+
+    run_live([p1_sock, p2_sock], [d_sock], scenario, clock, [(p2, p2_sock), (d, d_sock)],
+             unhealthy_backoff_s=1.0)
+
+
+@pytest.mark.parametrize("role", ["p", "d"])
+def test_a_dropped_connection_is_retried_for_prefill_only(role: str) -> None:
+    backends = {n: Backend(n) for n in ("p1", "p2", "d1", "d2")}
+    backends[f"{role}1"].mode = "drop"
+
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/completions", json=REQUEST)
+
+    r = run(list(backends.values()), ["p1", "p2"], ["d1", "d2"], scenario)
+    num_bodies = {n: len(b.bodies) for n, b in backends.items()}
+    if role == "p":  # P's answer never reaches the client: safe to ask another P
+        assert r.status_code == 200 and r.json()["answered_by"] == "d1"
+        assert num_bodies == {"p1": 1, "p2": 1, "d1": 1, "d2": 0}
+    else:  # D may already be reading P's blocks: no second reader
+        assert r.status_code == 502
+        assert "decode http://d1/v1/completions failed: RemoteProtocolError" in \
+            r.json()["error"]["message"]
+        assert num_bodies == {"p1": 1, "p2": 0, "d1": 1, "d2": 0}
+
+
+def test_a_5xx_answer_marks_the_backend_down_without_retry() -> None:
+    p1, p2, d = Backend("p1", mode="500"), Backend("p2"), Backend("d")
+
+    async def scenario(client: httpx.AsyncClient) -> list[int]:
+        return [(await client.post("/v1/completions", json=REQUEST)).status_code
+                for _ in range(3)]
+
+    # p1 answered (P may hold the prompt): no retry, 502; then p1 is skipped
+    assert run([p1, p2, d], ["p1", "p2"], ["d"], scenario) == [502, 200, 200]
+    assert (len(p1.bodies), len(p2.bodies)) == (1, 2)

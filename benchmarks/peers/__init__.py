@@ -8,12 +8,16 @@ Map of this package:
     workload.py       KV-shaped blocks, scattered ids, deterministic fill, verify
     results.py        PeerResult / Unavailable and the statistics behind them
     harness.py        two-process runner: target + initiator, metadata in-band
+    child_env.py      children's environment without what ``import ucxx`` added
+    cli.py            the stand-alone ``python -m benchmarks.peers.<peer>`` command
     ucx_perftest.py   tag_bw / ucp_get of the libucx wheel's binary (UCX ceiling)
     nixl_peer.py      NIXL, UCX backend, DRAM, READ of scattered blocks
     mooncake_peer.py  Mooncake Transfer Engine, tcp, P2PHANDSHAKE, batch READ
 
 Peer modules are imported on first use, so ``python -m
-benchmarks.peers.<peer>`` does not import itself twice.
+benchmarks.peers.<peer>`` does not import itself twice. ``child_env`` is
+imported here, as early as possible: it notes the UCX_* variables before any
+later ``import ucxx`` changes them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
+from benchmarks.peers import child_env as _child_env  # noqa: F401  (snapshot, see above)
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
 from benchmarks.peers.workload import (
     DEFAULT_BLOCK_COUNTS,

@@ -1,8 +1,8 @@
 """Run a peer as two processes on loopback: a *target* that owns the source
 pool and an *initiator* that reads from it, both started by the caller.
 
-Used by ``nixl_peer`` and ``mooncake_peer``. Each child runs
-``python -m benchmarks.peers.<peer> target|initiator``; the parent relays the
+Used by ``nixl_peer`` and ``mooncake_peer`` through :class:`PairPeer`. Each
+child runs ``python -m benchmarks.peers.<peer> target|initiator``; the parent relays the
 connection metadata in-band through the children's pipes:
 
     parent ---spec---------------------> target      (fills pool, registers it)
@@ -14,11 +14,15 @@ connection metadata in-band through the children's pipes:
 Protocol lines on stdout start with :data:`MARK`, so whatever a library logs to
 stdout is ignored. Every wait has a deadline; children still alive at the end
 are killed.
+
+Children start from the environment as it was before ``import ucxx``
+(``child_env.py`` says why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import queue
@@ -28,10 +32,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.peers.results import summarize
+from benchmarks.peers.child_env import child_env
+from benchmarks.peers.cli import standalone_main
+from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable, summarize
 from benchmarks.peers.workload import IdArray, KVShape, KVWorkload, U8Array
 
 MARK = "KVBPEER "
@@ -42,6 +49,10 @@ _STDERR_TAIL_NBYTES = 2000
 Payload = dict[str, Any]
 Request = Callable[[], None]
 """One timed request: moves the prepared blocks, returns when they have landed."""
+Serve = Callable[[Payload], Generator[Payload, None, None]]
+"""Target side: ``serve(spec)`` registers the pool, yields metadata, cleans up on close."""
+Read = Callable[[Payload, Payload], list[Payload]]
+"""Initiator side: ``read(spec, target_metadata)`` returns result dicts."""
 
 
 class PeerRunError(Exception):
@@ -74,10 +85,7 @@ class _Child:
     """One child process; stdout lines carrying :data:`MARK` go to a queue."""
 
     def __init__(self, module: str, role: str) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
+        env = child_env({"PYTHONPATH": str(_REPO_ROOT)})
         self.role = role
         # A file, not a pipe: nobody drains stderr while the child runs, and a
         # chatty library must not block on a full pipe. Closed in close().
@@ -168,14 +176,77 @@ def run_pair(module: str, spec: Payload, timeout_s: float) -> list[Payload]:
         target.close()
 
 
+@dataclass(frozen=True, slots=True)
+class PairPeer:
+    """A peer run as target + initiator processes (``nixl_peer``, ``mooncake_peer``).
+
+    Attributes:
+        name: Peer name in results.
+        module: Importable module whose ``target|initiator`` CLI runs the children.
+        package: Import name that must be installed for the peer to run.
+        missing: Reason reported when ``package`` is not installed.
+        min_gbps: Slowest rate assumed when the default deadline is computed.
+    """
+
+    name: str
+    module: str
+    package: str
+    missing: str
+    min_gbps: float
+
+    def run(self, sizes: list[int], iters: int, workload: KVWorkload | None = None,
+            warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+        """Read ``sizes`` bytes of scattered blocks between two processes.
+
+        Args:
+            sizes: Request sizes in bytes, multiples of the workload's block size.
+            iters: Timed requests per size (after ``warmup`` untimed ones).
+            workload: Pool geometry and content; default fits ``sizes``.
+            warmup: Untimed requests per size (the first also connects).
+            timeout_s: Deadline per step; default scales with the bytes moved.
+
+        Returns:
+            One verified-or-not ``PeerResult`` per size, or ``Unavailable`` when
+            the package is missing or the run failed (the reason says which).
+
+        Raises:
+            WorkloadError: a size does not fit the workload.
+            ValueError: ``iters`` < 1 or ``warmup`` < 0.
+        """
+        if iters < 1 or warmup < 0:
+            raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} "
+                             f"warmup={warmup}")
+        workload = workload or KVWorkload.for_sizes(sizes)
+        for nbytes in sizes:
+            workload.num_blocks_for(nbytes)
+        if importlib.util.find_spec(self.package) is None:
+            return Unavailable(self.name, self.missing)
+        if timeout_s is None:
+            timeout_s = 60.0 + sum(sizes) * (iters + warmup) / (self.min_gbps * 1e9)
+        spec = workload_spec(workload, sizes, iters, warmup, timeout_s)
+        try:
+            rows = run_pair(self.module, spec, timeout_s)
+        except PeerRunError as exc:
+            return Unavailable(self.name, str(exc))
+        return [PeerResult(**row) for row in rows]
+
+    def main(self, argv: list[str] | None, description: str, serve: Serve, read: Read) -> int:
+        """The peer module's CLI: a child role (``target|initiator``) or a
+        stand-alone run (:func:`standalone_main`); returns the exit code."""
+        args = sys.argv[1:] if argv is None else argv
+        if args and args[0] in ("target", "initiator"):
+            return child_main(args[0], serve, read)
+        return standalone_main(args, description,
+                               lambda sizes, iters, _: self.run(sizes, iters))
+
+
 def emit(payload: Payload) -> None:
     """Child side: write one protocol line to stdout."""
     sys.stdout.write(MARK + json.dumps(payload) + "\n")
     sys.stdout.flush()
 
 
-def child_main(role: str, serve: Callable[[Payload], Generator[Payload, None, None]],
-               read: Callable[[Payload, Payload], list[Payload]]) -> int:
+def child_main(role: str, serve: Serve, read: Read) -> int:
     """Child side: run ``serve`` (target) or ``read`` (initiator) and report.
 
     ``serve(spec)`` is a generator: it sets up and registers the source pool,

@@ -18,34 +18,26 @@ links them even for TCP).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 from collections.abc import Generator
 from typing import Any
 
 from benchmarks.peers.harness import (
+    PairPeer,
     Payload,
-    PeerRunError,
     Request,
-    child_main,
-    run_pair,
     time_requests,
     workload_from_spec,
-    workload_spec,
 )
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
-from benchmarks.peers.workload import (
-    DEFAULT_BLOCK_COUNTS,
-    IdArray,
-    KVWorkload,
-    sizes_for_blocks,
-)
+from benchmarks.peers.results import PeerOutcome
+from benchmarks.peers.workload import IdArray, KVWorkload
 
 PEER = "mooncake"
-_MODULE = "benchmarks.peers.mooncake_peer"
 _HOST = "127.0.0.1"
-_DEFAULT_WARMUP = 2
+_PEER = PairPeer(PEER, "benchmarks.peers.mooncake_peer", "mooncake",
+                 missing="mooncake-transfer-engine-non-cuda is not installed "
+                         "(pip install mooncake-transfer-engine-non-cuda)",
+                 min_gbps=0.02)  # TCP on loopback runs well under 1 GB/s here
 
 
 class MooncakeError(RuntimeError):
@@ -53,43 +45,12 @@ class MooncakeError(RuntimeError):
 
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
-             warmup: int = _DEFAULT_WARMUP, timeout_s: float | None = None) -> PeerOutcome:
-    """Read ``sizes`` bytes of scattered blocks through Mooncake between two processes.
+             warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+    """Read ``sizes`` bytes of scattered blocks through Mooncake; see :meth:`PairPeer.run`.
 
-    Args:
-        sizes: Request sizes in bytes, multiples of the workload's block size.
-        iters: Timed requests per size (after ``warmup`` untimed ones).
-        workload: Pool geometry and content; default fits ``sizes``.
-        warmup: Untimed requests per size (the first also connects).
-        timeout_s: Deadline per step; default scales with the bytes moved.
-
-    Returns:
-        One ``PeerResult`` per size, or ``Unavailable`` when the package or its
-        system libraries are missing or the run failed (the reason says which).
-
-    Raises:
-        WorkloadError: a size does not fit the workload.
-        ValueError: ``iters`` < 1 or ``warmup`` < 0.
+    ``Unavailable`` also when its system libraries are missing (the reason says which).
     """
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
-    workload = workload or KVWorkload.for_sizes(sizes)
-    for nbytes in sizes:
-        workload.num_blocks_for(nbytes)
-    if importlib.util.find_spec("mooncake") is None:
-        return Unavailable(
-            PEER, "mooncake-transfer-engine-non-cuda is not installed "
-            "(pip install mooncake-transfer-engine-non-cuda)"
-        )
-    if timeout_s is None:
-        # TCP on loopback runs well under 1 GB/s here; allow 20 MB/s.
-        timeout_s = 60.0 + sum(sizes) * (iters + warmup) / 20e6
-    spec = workload_spec(workload, sizes, iters, warmup, timeout_s)
-    try:
-        rows = run_pair(_MODULE, spec, timeout_s)
-    except PeerRunError as exc:
-        return Unavailable(PEER, str(exc))
-    return [PeerResult(**row) for row in rows]
+    return _PEER.run(sizes, iters, workload, warmup, timeout_s)
 
 
 def _new_engine() -> Any:
@@ -160,21 +121,7 @@ def _read(spec: Payload, target: Payload) -> list[Payload]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: child roles (used by the harness) or a stand-alone run."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("target", "initiator"):
-        return child_main(args[0], _serve, _read)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", default=",".join(map(str, DEFAULT_BLOCK_COUNTS)))
-    parser.add_argument("--iters", type=int, default=20)
-    opts = parser.parse_args(args)
-    sizes = sizes_for_blocks([int(n) for n in opts.blocks.split(",")])
-    outcome = run_peer(sizes, opts.iters)
-    if isinstance(outcome, Unavailable):
-        print(outcome)
-        return 1
-    for row in outcome:
-        print(row)
-    return 0
+    return _PEER.main(argv, __doc__.splitlines()[0], _serve, _read)
 
 
 if __name__ == "__main__":

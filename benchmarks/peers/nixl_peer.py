@@ -17,9 +17,7 @@ must stay as it is); it bundles its own UCX.
 
 from __future__ import annotations
 
-import argparse
 import base64
-import importlib.util
 import os
 import sys
 import time
@@ -30,26 +28,19 @@ import numpy as np
 import numpy.typing as npt
 
 from benchmarks.peers.harness import (
+    PairPeer,
     Payload,
-    PeerRunError,
     Request,
-    child_main,
-    run_pair,
     time_requests,
     workload_from_spec,
-    workload_spec,
 )
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
-from benchmarks.peers.workload import (
-    DEFAULT_BLOCK_COUNTS,
-    IdArray,
-    KVWorkload,
-    sizes_for_blocks,
-)
+from benchmarks.peers.results import PeerOutcome
+from benchmarks.peers.workload import IdArray, KVWorkload
 
 PEER = "nixl"
-_MODULE = "benchmarks.peers.nixl_peer"
-_DEFAULT_WARMUP = 2
+_PEER = PairPeer(PEER, "benchmarks.peers.nixl_peer", "nixl_cu12",
+                 missing="nixl-cu12 is not installed (pip install --no-deps nixl-cu12)",
+                 min_gbps=0.05)
 
 
 class NixlTransferError(RuntimeError):
@@ -57,39 +48,9 @@ class NixlTransferError(RuntimeError):
 
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
-             warmup: int = _DEFAULT_WARMUP, timeout_s: float | None = None) -> PeerOutcome:
-    """Read ``sizes`` bytes of scattered blocks through NIXL between two processes.
-
-    Args:
-        sizes: Request sizes in bytes, multiples of the workload's block size.
-        iters: Timed requests per size (after ``warmup`` untimed ones).
-        workload: Pool geometry and content; default fits ``sizes``.
-        warmup: Untimed requests per size (the first also connects).
-        timeout_s: Deadline per step; default scales with the bytes moved.
-
-    Returns:
-        One verified-or-not ``PeerResult`` per size, or ``Unavailable`` when
-        ``nixl-cu12`` is missing or the run failed (the reason says which).
-
-    Raises:
-        WorkloadError: a size does not fit the workload.
-        ValueError: ``iters`` < 1 or ``warmup`` < 0.
-    """
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
-    workload = workload or KVWorkload.for_sizes(sizes)
-    for nbytes in sizes:
-        workload.num_blocks_for(nbytes)
-    if importlib.util.find_spec("nixl_cu12") is None:
-        return Unavailable(PEER, "nixl-cu12 is not installed (pip install --no-deps nixl-cu12)")
-    if timeout_s is None:
-        timeout_s = 60.0 + sum(sizes) * (iters + warmup) / 50e6
-    spec = workload_spec(workload, sizes, iters, warmup, timeout_s)
-    try:
-        rows = run_pair(_MODULE, spec, timeout_s)
-    except PeerRunError as exc:
-        return Unavailable(PEER, str(exc))
-    return [PeerResult(**row) for row in rows]
+             warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+    """Read ``sizes`` bytes of scattered blocks through NIXL; see :meth:`PairPeer.run`."""
+    return _PEER.run(sizes, iters, workload, warmup, timeout_s)
 
 
 def _block_descs(base_addr: int, workload: KVWorkload) -> npt.NDArray[np.uint64]:
@@ -175,21 +136,7 @@ def _read(spec: Payload, target: Payload) -> list[Payload]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: child roles (used by the harness) or a stand-alone run."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("target", "initiator"):
-        return child_main(args[0], _serve, _read)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", default=",".join(map(str, DEFAULT_BLOCK_COUNTS)))
-    parser.add_argument("--iters", type=int, default=20)
-    opts = parser.parse_args(args)
-    sizes = sizes_for_blocks([int(n) for n in opts.blocks.split(",")])
-    outcome = run_peer(sizes, opts.iters)
-    if isinstance(outcome, Unavailable):
-        print(outcome)
-        return 1
-    for row in outcome:
-        print(row)
-    return 0
+    return _PEER.main(argv, __doc__.splitlines()[0], _serve, _read)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from benchmarks.peers.child_env import child_env
+from benchmarks.peers.cli import standalone_main
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
-from benchmarks.peers.workload import DEFAULT_BLOCK_COUNTS, KVWorkload, sizes_for_blocks
+from benchmarks.peers.workload import KVWorkload
 
 PEER = "ucx_perftest"
 _HOST = "127.0.0.1"
@@ -86,12 +88,7 @@ def find_perftest() -> Path:
 
 
 def _perftest_env(binary: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    lib_dir = str(binary.parent.parent / "lib")
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (lib_dir, env.get("LD_LIBRARY_PATH", "")) if p
-    )
-    return env
+    return child_env({"LD_LIBRARY_PATH": str(binary.parent.parent / "lib")})
 
 
 def _free_port() -> int:
@@ -230,19 +227,13 @@ def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print GB/s at the benchmark's request sizes."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", default=",".join(map(str, DEFAULT_BLOCK_COUNTS)))
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--test", choices=sorted(_PEER_OF_TEST), default="tag_bw")
-    opts = parser.parse_args(argv)
-    sizes = sizes_for_blocks([int(n) for n in opts.blocks.split(",")])
-    outcome = run_peer(sizes, opts.iters, test=opts.test)
-    if isinstance(outcome, Unavailable):
-        print(outcome)
-        return 1
-    for row in outcome:
-        print(row)
-    return 0
+
+    def add_test(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--test", choices=sorted(_PEER_OF_TEST), default="tag_bw")
+
+    return standalone_main(argv, __doc__.splitlines()[0],
+                           lambda sizes, iters, opts: run_peer(sizes, iters, test=opts.test),
+                           add_test)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,15 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
-from typing import Annotated, Any, TypeVar, cast
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any, cast
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError
@@ -41,6 +37,17 @@ from kvbridge.engine.config import NUM_BYTE_TOKENS
 from kvbridge.engine.engine import InvalidRequestError
 from kvbridge.engine.metrics import CONTENT_TYPE, ServerMetrics, render_metrics
 from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
+from kvbridge.http_common import (
+    SSE_DONE,
+    ApiError,
+    ClientGone,
+    ClosingStreamingResponse,
+    add_error_handlers,
+    error_body,
+    read_body,
+    sse_event,
+    unless_client_gone,
+)
 
 __all__ = ["DEFAULT_MAX_BODY_NBYTES", "ApiError", "CompletionRequest", "build_app"]
 
@@ -50,7 +57,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_NBYTES = 16 << 20
 #: Limit on reading engine stats for ``/metrics``.
 _STATS_TIMEOUT_S = 10.0
-_T = TypeVar("_T")
 
 
 _StopString = Annotated[str, msgspec.Meta(min_length=1)]
@@ -69,42 +75,6 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     ignore_eos: bool = False
     stream: bool = False
     kv_transfer_params: KVTransferParams | None = None
-
-
-class ApiError(Exception):
-    """A request the server answers with an error status (message goes to the client)."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-    def response(self) -> JSONResponse:
-        """The OpenAI-style error body."""
-        return JSONResponse({"error": {"message": str(self), "type": self.kind}}, self.status)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its generator when the response ends for any reason (disconnect included).
-
-    Starlette may cancel a stream while the generator sits at a ``yield``; closing
-    it here runs its ``finally`` (which aborts the engine request) right away.
-    """
-
-    def __init__(self, content: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._generator = content
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._generator.aclose()
 
 
 class _TextStream:
@@ -135,40 +105,6 @@ class _TextStream:
         end = len(self._text) if final else max(self._num_sent, len(self._text) - self._num_held)
         delta, self._num_sent = self._text[self._num_sent : end], end
         return delta
-
-
-async def _read_body(request: Request, max_nbytes: int) -> bytes:
-    chunks: list[bytes] = []
-    nbytes = 0
-    try:
-        async for chunk in request.stream():
-            nbytes += len(chunk)
-            if nbytes > max_nbytes:
-                raise ApiError(413, f"request body exceeds {max_nbytes} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone before its body arrived: an abort, not a failure
-        raise _ClientGone from None
-    return b"".join(chunks)
-
-
-async def _unless_client_gone(request: Request, work: Awaitable[_T]) -> _T:
-    """Await ``work``; cancel it (aborting its engine request) if the client disconnects."""
-
-    async def wait_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise _ClientGone
-    finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
 
 
 class _CompletionServer:
@@ -207,17 +143,17 @@ class _CompletionServer:
     async def completions(self, request: Request) -> Response:
         start_s = time.monotonic()
         try:
-            req = self._parse(await _read_body(request, self.max_body_nbytes))
+            req = self._parse(await read_body(request, self.max_body_nbytes))
             request_id = f"cmpl-{uuid.uuid4().hex}"
             logger.debug("%s: %s (client id %s)", request_id, "stream" if req.stream else "unary",
                          request.headers.get("x-request-id"))
             outputs = cast(AsyncGenerator[RequestOutput, None], self.engine.generate_stream(
                 request_id, req.prompt, _sampling_params(req), req.kv_transfer_params))
             call = _Completion(self, request_id, req, outputs, start_s)
-            response = await _unless_client_gone(request, call.start())
+            response = await unless_client_gone(request, call.start())
         except ApiError as exc:
             response = exc.response()
-        except _ClientGone:
+        except ClientGone:
             self.metrics.num_aborted += 1
             response = Response(status_code=499)
         self.metrics.responses_by_code[str(response.status_code)] += 1
@@ -274,7 +210,7 @@ class _Completion:
                 raise ApiError(503, str(exc), "server_error") from None
             raise
         if self.req.stream:
-            return _ClosingStreamingResponse(self._events(first))
+            return ClosingStreamingResponse(self._events(first))
         return await self._collect(first)
 
     def _add(self, out: RequestOutput) -> tuple[str, list[int]]:
@@ -332,19 +268,19 @@ class _Completion:
                 while True:
                     delta, token_ids = self._add(out)
                     if out.finish_reason is FinishReason.ERROR:
-                        yield _sse({"error": {"message": f"request failed: {out.error}",
-                                              "type": "server_error"}})
+                        yield sse_event(error_body(f"request failed: {out.error}",
+                                                   "server_error"))
                         break
-                    yield _sse(self._body(out, delta, token_ids))
+                    yield sse_event(self._body(out, delta, token_ids))
                     if self.finished:
                         break
                     out = await anext(self.outputs)
         except EngineDeadError as exc:
-            yield _sse({"error": {"message": str(exc), "type": "server_error"}})
+            yield sse_event(error_body(str(exc), "server_error"))
         finally:
             if not self.finished:
                 self.server.metrics.num_aborted += 1
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE
 
 
 def _sampling_params(req: CompletionRequest) -> SamplingParams:
@@ -353,10 +289,6 @@ def _sampling_params(req: CompletionRequest) -> SamplingParams:
                               max_tokens=req.max_tokens, ignore_eos=req.ignore_eos)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 def build_app(engine: AsyncEngine, model_name: str | None = None,
@@ -375,17 +307,7 @@ def build_app(engine: AsyncEngine, model_name: str | None = None,
     server = _CompletionServer(engine, name, max_body_nbytes)
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
 
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), kind).response()
-
-    async def internal_error(_: Request, exc: Exception) -> Response:
-        logger.error("request failed: %r", exc)  # starlette logs the traceback too
-        return ApiError(500, f"internal error: {exc!r}", "server_error").response()
-
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, internal_error)
+    add_error_handlers(app)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_page, methods=["GET"])

@@ -1,108 +1,85 @@
 """Run ``MiniEngine``s in a child process, each stepped by its own loop thread.
 
-A test starts one :class:`EngineHost` for the prefill side and one for the
-decode side, so P and D talk over real UCX between processes. Every call has a
-timeout: a wedged engine fails the test instead of hanging it.
+A test starts one :class:`EngineHost` (a ``tests/child_host.py`` child) for the
+prefill side and one for the decode side, so P and D talk over real UCX between
+processes. Every call has a timeout: a wedged engine fails the test instead of
+hanging it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import time
+from multiprocessing.connection import Connection
 from typing import Any
+
+from tests.child_host import ChildHost, serve_commands
 
 CALL_TIMEOUT_S = 60.0
 
 
-def _child(conn: Any) -> None:
+def _child(conn: Connection) -> None:
     import logging
 
     from tests.connector.harness import EngineLoop, MiniEngine
 
     logging.basicConfig(level=logging.WARNING)
     loops: dict[str, EngineLoop] = {}
-    conn.send(("ok", None))
-    while True:
-        cmd, name, args = conn.recv()
-        try:
-            if cmd == "exit":
-                for loop in loops.values():
-                    loop.stop()
-                    loop.engine.close()
-                conn.send(("ok", None))
-                return
-            if cmd == "create":
-                loops[name] = EngineLoop(MiniEngine(args))
-                conn.send(("ok", None))
-                continue
-            loop = loops[name]
-            engine = loop.engine
-            with engine.lock:
-                if cmd == "close":
-                    loop.frozen = True
-                result: Any = None
-                if cmd == "add":
-                    engine.add(**args)
-                elif cmd == "abort":
-                    engine.abort(args)
-                elif cmd == "resume":
-                    engine.requests[args].paused = False
-                elif cmd == "freeze":
-                    loop.frozen = bool(args)
-                elif cmd == "freeze_on_handout":
-                    engine.freeze_on_handout = bool(args)
-                elif cmd == "status":
-                    result = engine.status(args)
-                elif cmd == "idle":
-                    result = not engine.busy()
-                elif cmd == "free_blocks":
-                    result = engine.free_blocks()
-                elif cmd == "stats":
-                    result = engine.connector.get_stats()
-                elif cmd == "errors":
-                    result = list(engine.errors)
-                elif cmd != "close":
-                    raise ValueError(cmd)
+
+    def handle(cmd: str, name: str, args: Any) -> Any:
+        if cmd == "create":
+            loops[name] = EngineLoop(MiniEngine(args))
+            return None
+        loop = loops[name]
+        engine = loop.engine
+        with engine.lock:
             if cmd == "close":
-                loop.stop()
-                engine.close()
-                del loops[name]
-            conn.send(("ok", result))
-        except Exception as exc:
-            conn.send(("error", repr(exc)))
-
-
-class EngineHost:
-    """A child process hosting any number of engines."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(child_conn,), daemon=True)
-        self.process.start()
-        self._wait("start", 120.0)
-
-    def _wait(self, what: str, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"engine host did not answer {what} within {timeout_s}s")
-        status, result = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine host {what} failed: {result}")
+                loop.frozen = True
+            result: Any = None
+            if cmd == "add":
+                engine.add(**args)
+            elif cmd == "abort":
+                engine.abort(args)
+            elif cmd == "resume":
+                engine.requests[args].paused = False
+            elif cmd == "freeze":
+                loop.frozen = bool(args)
+            elif cmd == "freeze_on_handout":
+                engine.freeze_on_handout = bool(args)
+            elif cmd == "status":
+                result = engine.status(args)
+            elif cmd == "idle":
+                result = not engine.busy()
+            elif cmd == "free_blocks":
+                result = engine.free_blocks()
+            elif cmd == "stats":
+                result = engine.connector.get_stats()
+            elif cmd == "errors":
+                result = list(engine.errors)
+            elif cmd != "close":
+                raise ValueError(cmd)
+        if cmd == "close":
+            loop.stop()
+            engine.close()
+            del loops[name]
         return result
 
-    def call(self, cmd: str, name: str = "", args: Any = None) -> Any:
-        self._conn.send((cmd, name, args))
-        return self._wait(cmd, CALL_TIMEOUT_S)
+    def close_all() -> None:
+        for loop in loops.values():
+            loop.stop()
+            loop.engine.close()
 
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
-                self.call("exit")
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
+    serve_commands(conn, handle, close_all)
+
+
+class EngineHost(ChildHost):
+    """A child process hosting any number of engines."""
+
+    what = "engine host"
+    call_timeout_s = CALL_TIMEOUT_S
+
+    def __init__(self) -> None:
+        super().__init__(_child)
 
 
 class EngineRef:

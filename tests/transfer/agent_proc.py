@@ -1,18 +1,17 @@
 """Run a TransferAgent in a child process and drive it over a pipe (test helper).
 
-A :class:`Host` is a "spawn" child process that hosts any number of agents (each
-with its own loop thread and UCX worker), so tests pay the interpreter start-up
-once per process. Every call has a timeout: a wedged agent fails the test
-instead of hanging it.
+A :class:`Host` is a "spawn" child process (``tests/child_host.py``) that hosts
+any number of agents (each with its own loop thread and UCX worker), so tests
+pay the interpreter start-up once per process. Every call has a timeout: a
+wedged agent fails the test instead of hanging it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +19,10 @@ from kvbridge.layout import KVLayout
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer.config import AgentConfig
 from kvbridge.transfer.security import CompatInfo
+from tests.child_host import ChildHost, serve_commands
+
+if TYPE_CHECKING:  # imported in the child only: the parent stays free of ucxx
+    from kvbridge.transfer.agent import TransferAgent
 
 CALL_TIMEOUT_S = 30.0
 
@@ -95,98 +98,75 @@ def logical(
     return torch.stack(out)
 
 
-def _child(conn: Any) -> None:
-    import logging
-
+def new_agent(spec: Spec) -> tuple[TransferAgent, list[torch.Tensor]]:
+    """Child side: an agent for ``spec`` with its seeded caches registered (not started)."""
     from kvbridge.transfer.agent import TransferAgent
+
+    agent = TransferAgent(
+        spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
+        port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config),
+    )
+    caches = make_caches(spec)
+    agent.register_kv_caches(caches)
+    return agent, caches
+
+
+def _child(conn: Connection) -> None:
+    import logging
 
     logging.basicConfig(level=logging.WARNING)
     agents: dict[str, tuple[TransferAgent, list[torch.Tensor]]] = {}
-    conn.send(("ok", None))
-    while True:
-        cmd, name, args = conn.recv()
-        try:
-            if cmd == "add":
-                spec = args
-                agent = TransferAgent(
-                    spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
-                    port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config),
-                )
-                caches = make_caches(spec)
-                agent.register_kv_caches(caches)
-                agents[name] = (agent, caches)
-                result: Any = agent.start()
-            elif cmd == "exit":
-                for agent, _ in agents.values():
-                    agent.close()
-                conn.send(("ok", None))
-                return
-            else:
-                agent, caches = agents[name]
-                if cmd == "issue":
-                    result = agent.issue_grant(*args[:3], lease_s=args[3], token=args[4]).token
-                elif cmd == "read":
-                    result = agent.start_read(**args)
-                elif cmd == "poll":
-                    sending, recving = agent.get_finished()
-                    result = (sending, recving, agent.get_failed_block_ids(), agent.get_stats())
-                elif cmd == "caches":
-                    result = caches
-                elif cmd == "zero":
-                    for layer in caches:
-                        layer.zero_()
-                    result = None
-                elif cmd == "grant_stats":
-                    result = (agent.grants.stats(), len(agent.grants))
-                elif cmd == "close":
-                    agent.close()
-                    del agents[name]
-                    result = None
-                else:
-                    raise ValueError(cmd)
-            conn.send(("ok", result))
-        except Exception as exc:
-            conn.send(("error", repr(exc)))
+
+    def handle(cmd: str, name: str, args: Any) -> Any:
+        if cmd == "add":
+            agent, caches = new_agent(args)
+            agents[name] = (agent, caches)
+            return agent.start()
+        agent, caches = agents[name]
+        if cmd == "issue":
+            request_id, block_ids, num_readers, lease_s, token = args
+            return agent.issue_grant(request_id, block_ids, num_readers, lease_s=lease_s,
+                                     token=token).token
+        if cmd == "read":
+            agent.start_read(**args)
+            return None
+        if cmd == "poll":
+            sending, recving = agent.get_finished()
+            return sending, recving, agent.get_failed_block_ids(), agent.get_stats()
+        if cmd == "caches":
+            return caches
+        if cmd == "zero":
+            for layer in caches:
+                layer.zero_()
+            return None
+        if cmd == "grant_stats":
+            return agent.grants.stats(), len(agent.grants)
+        if cmd == "close":
+            agent.close()
+            del agents[name]
+            return None
+        raise ValueError(cmd)
+
+    def close_all() -> None:
+        for agent, _ in agents.values():
+            agent.close()
+
+    serve_commands(conn, handle, close_all)
 
 
-class Host:
+class Host(ChildHost):
     """A child process hosting any number of agents."""
 
+    what = "agent host"
+    call_timeout_s = CALL_TIMEOUT_S
+
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(child_conn,), daemon=True)
-        self.process.start()
-        self._wait("start", 120.0)
-
-    def _wait(self, what: str, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"agent host did not answer {what} within {timeout_s}s")
-        status, result = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"agent host {what} failed: {result}")
-        return result
-
-    def call(self, cmd: str, name: str = "", args: Any = None) -> Any:
-        self._conn.send((cmd, name, args))
-        return self._wait(cmd, CALL_TIMEOUT_S)
+        super().__init__(_child)
 
     def add(self, spec: Spec) -> AgentRef:
         name = f"{spec.engine_id}/{spec.tp_rank}"
         port = self.call("add", name, spec)
         return AgentRef(self, name, spec, port)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
-                self.call("exit")
-            self.process.join(10)
-        self.kill()
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
 
 
 @dataclass
@@ -211,7 +191,7 @@ def free_port_base(num_ports: int) -> int:
     for _ in range(50):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+            base: int = probe.getsockname()[1]
         if base + num_ports >= 65535:
             continue
         try:
