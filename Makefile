@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint pytest bench bench-peers clean
+.PHONY: setup test-hosts demo test lint pytest bench bench-peers clean
 
 $(BIN)/.kvbridge-installed: pyproject.toml scripts/setup.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -19,7 +19,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy kvbridge
 
-pytest: setup
+test-hosts:
+	bash scripts/test_hosts.sh
+
+pytest: setup test-hosts
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 test: lint pytest

@@ -33,7 +33,7 @@ BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 _HALF_WORDS = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2 // 8  # one layer's K (or V) of a block
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _NUM_WARMUP = 2  # the first read also handshakes
-_POLL_S = 50e-6
+_WAIT_S = 1.0
 _SEED = 7
 
 
@@ -120,7 +120,7 @@ def _timed_read(agent: Any, port: int, request_id: str, remote_ids: list[int],
                      remote_block_ids=remote_ids, local_block_ids=local_ids, grant=token,
                      num_tokens=len(remote_ids) * BLOCK_SIZE)
     while request_id not in agent.get_finished()[1]:
-        time.sleep(_POLL_S)  # not a busy loop: the agent's thread needs the GIL
+        agent.wait_finished(_WAIT_S)  # sleeps: polling would take the GIL from the agent
     elapsed = time.perf_counter() - started
     if agent.get_failed_block_ids():
         errors = [s.error for s in agent.get_stats() if not s.ok]

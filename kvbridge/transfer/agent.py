@@ -442,6 +442,19 @@ class TransferAgent:
         recving = running.reads.take_finished() if running is not None else set()
         return sending, recving
 
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block the calling thread until a read has ended, or at most ``timeout_s``.
+
+        For a caller with nothing else to do until KV arrives: it sleeps instead
+        of polling ``get_finished`` (polling takes the GIL from the agent's
+        thread, which delays the very read being waited for). Returns True when
+        ``get_finished()[1]`` has something to return; nothing is consumed.
+        """
+        running = self._running
+        if running is None or self._closed:
+            return False
+        return running.reads.wait_finished(timeout_s)
+
     def get_failed_block_ids(self) -> dict[str, set[int]]:
         """Return and forget local block ids that could not be loaded, by request."""
         running = self._running

@@ -19,12 +19,10 @@ Used by ``reader.py`` (decides, builds its receive ranges) and ``server.py``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvbridge.layout import KVLayout
 from kvbridge.transfer.config import LocalKV
@@ -70,23 +68,22 @@ def num_planes(local: LocalKV) -> int:
 
 
 def block_ranges(
-    local: LocalKV, block_ids: npt.NDArray[np.int64], layers: Sequence[torch.Tensor],
-    span: HeadSpan,
+    local: LocalKV, block_ids: npt.NDArray[np.int64], layers: slice, span: HeadSpan,
 ) -> npt.NDArray[np.uint64]:
     """The ``ucp_dt_iov_t`` ranges of ``span`` in ``block_ids`` of ``layers`` (stream order).
 
     Args:
         local: the rank's caches (for the strides).
         block_ids: this rank's block ids, in the read's order (checked by the caller).
-        layers: the layer caches of the read, in the read's order.
+        layers: which of the rank's layers, in the read's order.
         span: the heads' run inside a block plane (``head_span``).
     """
-    first = layers[0]
-    block_nbytes = (first[0] if local.topology.is_mla else first[0, 0]).numel()
-    block_nbytes *= local.elem_nbytes
-    plane_nbytes = local.num_blocks * block_nbytes
-    bases = np.array([layer.data_ptr() for layer in layers], dtype=np.uint64)
-    planes = np.arange(num_planes(local), dtype=np.uint64) * np.uint64(plane_nbytes)
+    block_nbytes = local.plane_block_nbytes
+    # Read the addresses now, not at registration: a tensor's storage can move in
+    # place (share_memory_, or pickling one to another process, does that).
+    bases = np.array([layer.data_ptr() for layer in local.layers[layers]], dtype=np.uint64)
+    planes = np.arange(num_planes(local), dtype=np.uint64) * np.uint64(
+        local.num_blocks * block_nbytes)
     blocks = block_ids.astype(np.uint64) * np.uint64(block_nbytes) + np.uint64(span.offset)
     addresses = bases[:, None, None] + planes[None, :, None] + blocks[None, None, :]
     return iov_array(addresses.reshape(-1), np.full(addresses.size, span.nbytes, np.uint64))

@@ -25,21 +25,16 @@ import logging
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.transfer.errors import ProtocolError
 from kvbridge.transfer.ucp_lib import (
     DATATYPE_IOV,
     OP_DATATYPE,
-    UCS_INPROGRESS,
-    UCS_OK,
     RequestParam,
-    TagRecvInfo,
-    UcpError,
     UcpLibrary,
-    ptr_status,
+    UcpRequest,
 )
 from kvbridge.transfer.ucx import UcxConnection
 
-__all__ = ["IovRequest", "Ranges", "iov_array", "post_recv_iov", "send_iov"]
+__all__ = ["Ranges", "iov_array", "post_recv_iov", "post_send_iov", "send_iov"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,63 +53,17 @@ def iov_array(addresses: npt.ArrayLike, lengths: npt.ArrayLike) -> npt.NDArray[n
     if addrs.size == 0 or addrs.shape != sizes.shape or bool((sizes == 0).any()):
         raise ValueError(f"need >= 1 range of >= 1 byte: {addrs.size} addresses, "
                          f"{sizes.size} lengths")
+    out = np.empty((addrs.size, 2), dtype=np.uint64)
     # a range continuing where the previous one ended joins it
-    starts = np.flatnonzero(addrs[1:] != addrs[:-1] + sizes[:-1]) + 1
-    starts = np.insert(starts, 0, 0)
-    out = np.empty((starts.size, 2), dtype=np.uint64)
-    out[:, 0] = addrs[starts]
-    out[:, 1] = np.add.reduceat(sizes, starts)
-    return out
-
-
-class IovRequest:
-    """One UCP tagged send or receive; quacks like a ucxx request for ``UcxWorker.track``.
-
-    A receive checks that exactly ``expected_nbytes`` arrived: fewer bytes (an
-    abandoned receive is completed with an empty message) or a truncated one
-    is a :class:`ProtocolError`.
-    """
-
-    def __init__(
-        self, lib: UcpLibrary, value: int | None, what: str, expected_nbytes: int | None,
-    ) -> None:
-        self._lib = lib
-        self._what = what
-        self._expected = expected_nbytes
-        self._request: int | None = None
-        self._error: Exception | None = None
-        status = ptr_status(value)
-        if status is None:
-            self._request = value
-        elif status != UCS_OK:
-            self._error = UcpError(what, status, lib.status_name(status))
-
-    @property
-    def completed(self) -> bool:
-        request = self._request
-        if request is None:
-            return True
-        if self._expected is None:
-            status = self._lib.request_check_status(request)
-        else:
-            info = TagRecvInfo()
-            status = self._lib.tag_recv_request_test(request, ctypes.byref(info))
-            if status == UCS_OK and info.length != self._expected:
-                self._error = ProtocolError(
-                    f"{self._what}: {info.length} bytes arrived, expected {self._expected}"
-                )
-        if status == UCS_INPROGRESS:
-            return False
-        self._lib.request_free(request)
-        self._request = None
-        if status != UCS_OK and self._error is None:
-            self._error = UcpError(self._what, status, self._lib.status_name(status))
-        return True
-
-    def check_error(self) -> None:
-        """Raise the failure of a completed request (``UcxWorker`` maps it)."""
-        if self._error is not None:
-            raise self._error
+    joins = addrs[1:] == addrs[:-1] + sizes[:-1]
+    if not joins.any():  # scattered blocks: nothing to merge
+        out[:, 0], out[:, 1] = addrs, sizes
+        return out
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = out[: starts.size]
+    merged[:, 0] = addrs[starts]
+    merged[:, 1] = np.add.reduceat(sizes, starts)
+    return merged.copy()
 
 
 def _param() -> RequestParam:
@@ -139,10 +88,30 @@ def post_recv_iov(
         conn.worker_handle, iov.ctypes.data, iov.shape[0], tag, _TAG_MASK_FULL,
         ctypes.byref(_param()),
     )
-    request = IovRequest(lib, value, f"iov recv from {conn.peer}", nbytes)
+    request = UcpRequest(lib, value, f"iov recv from {conn.peer}", nbytes)
     logger.debug("iov recv peer=%s channel=%d ranges=%d nbytes=%d", conn.peer, channel,
                  iov.shape[0], nbytes)
     return conn.track_recv(channel, request, keep=iov)
+
+
+def post_send_iov(
+    lib: UcpLibrary, conn: UcxConnection, iov: npt.NDArray[np.uint64], channel: int
+) -> asyncio.Future[None]:
+    """Post the ranges of ``iov`` as one message on ``channel``; the future ends with it.
+
+    The memory must stay untouched until the future resolves.
+
+    Raises:
+        PeerClosedError: the connection is closed.
+        UcpError: UCX refused the send.
+    """
+    value = lib.tag_send_nbx(
+        conn.endpoint_handle, iov.ctypes.data, iov.shape[0], conn.outgoing_tag(channel),
+        ctypes.byref(_param()),
+    )
+    request = UcpRequest(lib, value, f"iov send to {conn.peer}", None)
+    logger.debug("iov send peer=%s channel=%d ranges=%d", conn.peer, channel, iov.shape[0])
+    return conn.track_send(request, keep=iov)
 
 
 async def send_iov(
@@ -155,10 +124,5 @@ async def send_iov(
         PeerClosedError, PeerTimeoutError, UcpError: the send failed (a timeout
             aborts the connection).
     """
-    value = lib.tag_send_nbx(
-        conn.endpoint_handle, iov.ctypes.data, iov.shape[0], conn.outgoing_tag(channel),
-        ctypes.byref(_param()),
-    )
-    request = IovRequest(lib, value, f"iov send to {conn.peer}", None)
-    logger.debug("iov send peer=%s channel=%d ranges=%d", conn.peer, channel, iov.shape[0])
-    await conn.wait(conn.track_send(request, keep=iov), timeout_s=timeout_s, what="iov send")
+    sent = post_send_iov(lib, conn, iov, channel)
+    await conn.wait(sent, timeout_s=timeout_s, what="iov send")

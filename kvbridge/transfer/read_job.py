@@ -36,10 +36,11 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.topology import RemoteRead, build_read_plan
+from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer import wire
 from kvbridge.transfer.config import topology_of
 from kvbridge.transfer.errors import RejectedError, TransferError
@@ -114,8 +115,10 @@ class Reads:
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._opening: dict[tuple[str, int], asyncio.Task[PeerLink]] = {}
         self._jobs: set[asyncio.Task[None]] = set()
-        self._reports: set[asyncio.Task[None]] = set()  # done reports being sent
+        self._plans: weakref.WeakKeyDictionary[PeerLink, ReadPlan] = weakref.WeakKeyDictionary()
+        self._reports: set[asyncio.Future[None]] = set()  # done reports being sent
         self._lock = threading.Lock()
+        self._outcome = threading.Condition(self._lock)  # notified when _finished grows
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
         self._stats: list[TransferStats] = []
@@ -125,6 +128,11 @@ class Reads:
         with self._lock:
             finished, self._finished = self._finished, set()
             return finished
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block until an outcome waits in ``take_finished`` (True) or ``timeout_s`` ends."""
+        with self._lock:
+            return self._outcome.wait_for(lambda: bool(self._finished), timeout_s)
 
     def take_failed(self) -> dict[str, set[int]]:
         with self._lock:
@@ -188,13 +196,24 @@ class Reads:
     async def _attempt(self, job: ReadJob) -> tuple[int, list[ItemResult | None | BaseException]]:
         """Plan from rank 0's metadata and run every item: ``(num_ranks, outcomes)``."""
         first = await self._link(job, 0)
-        plan = build_read_plan(
-            self._ctx.local.topology, self._ctx.local.tp_rank, self._ctx.local.pp_rank,
-            topology_of(first.meta), job.engine_id,
-        )
-        outcomes = await asyncio.gather(
-            *(self._run_item(job, item) for item in plan.items), return_exceptions=True
-        )
+        plan = self._plans.get(first)  # a link's metadata never changes: plan once
+        if plan is None:
+            plan = build_read_plan(
+                self._ctx.local.topology, self._ctx.local.tp_rank, self._ctx.local.pp_rank,
+                topology_of(first.meta), job.engine_id,
+            )
+            self._plans[first] = plan
+        if len(plan.items) == 1:  # the common case: no gather (it costs a task per item)
+            try:
+                outcomes: list[ItemResult | None | BaseException] = [
+                    await self._run_item(job, plan.items[0])
+                ]
+            except (TransferError, KVBridgeError, OSError) as exc:
+                outcomes = [exc]
+        else:
+            outcomes = await asyncio.gather(
+                *(self._run_item(job, item) for item in plan.items), return_exceptions=True
+            )
         return len(plan.items), outcomes
 
     def _cached_links(self, engine_id: str) -> dict[tuple[str, int], tuple[PeerLink, int]]:
@@ -233,7 +252,12 @@ class Reads:
         if job.notify_only or not item.read:
             await link.notify(job.grant, self.reader_id, job.ok)
             return None
-        renewer = asyncio.create_task(self._renew_while_reading(link, job.grant))
+        # The lease covers most reads: start renewing only once one runs that long.
+        renewer: list[asyncio.Task[None]] = []
+        due = asyncio.get_running_loop().call_later(
+            self._ctx.config.renew_every_s,
+            lambda: renewer.append(asyncio.create_task(self._renew_while_reading(link, job.grant))),
+        )
         try:
             result = await link.read(
                 item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
@@ -245,37 +269,37 @@ class Reads:
                     await link.notify(job.grant, self.reader_id, False)
             raise
         finally:
-            renewer.cancel()
+            due.cancel()
+            for task in renewer:
+                task.cancel()
         self._notify_later(link, job.grant)  # the data is here: do not wait for the report
         return result
 
     def _notify_later(self, link: PeerLink, grant: str) -> None:
-        """Report a successful read to the server in the background.
+        """Report a successful read to the server without waiting for the send.
 
         If the report is lost (link died), the server frees the blocks when the
         lease expires; the read itself already succeeded.
         """
-
-        async def report() -> None:
-            try:
-                await link.notify(grant, self.reader_id, True)
-            except TransferError as exc:
-                logger.info("done report to %s not delivered: %s", link.peer, exc)
-
-        task = asyncio.create_task(report())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        try:
+            sent = link.notify_nowait(grant, self.reader_id)
+        except TransferError as exc:
+            logger.info("done report to %s not delivered: %s", link.peer, exc)
+            return
+        self._reports.add(sent)
+        sent.add_done_callback(self._reports.discard)
 
     async def _renew_while_reading(self, link: PeerLink, grant: str) -> None:
+        """Renew now, then every ``renew_every_s`` (started once a read ran that long)."""
         cfg = self._ctx.config
         while True:
-            await asyncio.sleep(cfg.renew_every_s)
             try:
                 remaining = await link.renew(grant, cfg.lease_s)
                 logger.debug("renewed grant for %.1fs", remaining)
             except TransferError as exc:
                 logger.info("lease renewal failed: %s", exc)
                 return
+            await asyncio.sleep(cfg.renew_every_s)
 
     def _record(
         self, job: ReadJob, results: list[ItemResult], errors: list[BaseException], num_ranks: int
@@ -305,11 +329,12 @@ class Reads:
                 first_block = job.first_token // self._ctx.local.topology.block_size
                 self._failed[job.request_id] = set(job.local_block_ids[first_block:])
             self._stats.append(stats)
+            self._outcome.notify_all()
 
     def abort_all(self) -> None:
         """Cancel every job and drop every link without goodbyes."""
-        for task in (*self._jobs, *self._reports):
-            task.cancel()
+        for pending in (*self._jobs, *self._reports):
+            pending.cancel()
         for link in self._links.values():
             link.abort()
 
@@ -320,7 +345,7 @@ class Reads:
         await asyncio.gather(*self._jobs, return_exceptions=True)
         if self._reports:
             await asyncio.wait(list(self._reports), timeout=_REPORT_GRACE_S)
-        for task in list(self._reports):
-            task.cancel()
+        for report in list(self._reports):
+            report.cancel()
         await asyncio.gather(*self._reports, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self._links.values()))

@@ -184,6 +184,27 @@ class PeerLink:
             raise self._error
         await send_msg(self._conn, self._ctx.codec, msg, self._ctx.config.reply_timeout_s)
 
+    def _post(self, msg: wire.Message) -> asyncio.Future[None]:
+        """Send ``msg`` without waiting for UCX to finish it; a failure kills the link.
+
+        For messages whose effect the caller waits for anyway (a read request:
+        its data or refusal has a deadline) or need not wait for (a done report:
+        the lease covers a lost one).
+        """
+        if self._error is not None:
+            raise self._error
+        sent = self._conn.post_frame(self._ctx.codec.encode(msg))
+        sent.add_done_callback(self._on_posted)
+        return sent
+
+    def _on_posted(self, sent: asyncio.Future[None]) -> None:
+        if sent.cancelled():
+            return
+        error = sent.exception()
+        if error is not None:
+            self._fail(error if isinstance(error, TransferError)
+                       else TransferError(f"send to {self._conn.peer}: {error}"))
+
     async def _request(self, key: tuple[str, int], msg: wire.Message) -> wire.Message:
         if self._error is not None:
             raise self._error
@@ -203,6 +224,16 @@ class PeerLink:
     async def notify(self, grant: str, reader_id: str, ok: bool) -> None:
         """Tell the server this reader is done with ``grant`` (``ok=False``: gave up)."""
         await self._send(wire.ReadDone(grant, reader_id, ok))
+
+    def notify_nowait(self, grant: str, reader_id: str) -> asyncio.Future[None]:
+        """Report a successful read without waiting; the future ends with the send.
+
+        A lost report costs only time: the server frees at lease expiry.
+
+        Raises:
+            TransferError: the link is already dead.
+        """
+        return self._post(wire.ReadDone(grant, reader_id, True))
 
     async def renew(self, grant: str, lease_s: float) -> float:
         """Extend the grant's lease; return the seconds the server now grants."""
@@ -300,27 +331,32 @@ class PeerLink:
         self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
         span: HeadSpan,
     ) -> ItemResult:
-        """Receive the item's blocks straight into ours: post every chunk, then ask."""
+        """Receive the item's blocks straight into ours: post receives, ask, await chunks."""
         ctx = self._ctx
-        layers = ctx.local.layers[item.local_layers.start : item.local_layers.stop]
-        per_block = len(layers) * num_planes(ctx.local)
+        layers = slice(item.local_layers.start, item.local_layers.stop)
+        per_block = len(item.local_layers) * num_planes(ctx.local)
         chunk_blocks = max(1, min(request.chunk_blocks, MAX_RANGES_PER_CHUNK // per_block))
         request = msgspec.structs.replace(request, chunk_blocks=chunk_blocks, direct=True)
         ids = np.asarray(local_ids, dtype=np.int64)
         num_chunks = math.ceil(ids.size / chunk_blocks)
         channels = [channel_of(request.xfer_id, chunk) for chunk in range(num_chunks)]
-        arrivals = [
-            post_recv_iov(ctx.ucp, self._conn, block_ranges(
-                ctx.local, ids[chunk * chunk_blocks : (chunk + 1) * chunk_blocks], layers, span,
-            ), channel)
-            for chunk, channel in enumerate(channels)
-        ]
+
+        def post(chunk: int) -> asyncio.Future[None]:
+            chunk_ids = ids[chunk * chunk_blocks : (chunk + 1) * chunk_blocks]
+            iov = block_ranges(ctx.local, chunk_ids, layers, span)
+            return post_recv_iov(ctx.ucp, self._conn, iov, channels[chunk])
+
         key = ("data", request.xfer_id)
         refusal: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
         self._waiters[key] = refusal
+        arrivals: list[asyncio.Future[None]] = []
         landed = 0
         try:
-            await self._send(request)
+            arrivals.append(post(0))
+            # Ask once the first chunk's receive is posted and post the others while
+            # the server prepares: each lands long after the one before it.
+            self._post(request)
+            arrivals.extend(post(chunk) for chunk in range(1, num_chunks))
             for arrived in arrivals:
                 await self._chunk_or_refusal(arrived, refusal)
                 landed += 1
@@ -328,7 +364,7 @@ class PeerLink:
             for arrived in arrivals:
                 arrived.add_done_callback(_ignore_outcome)
             if isinstance(exc, RejectedError) and self.alive:  # nothing was sent: unpost
-                for channel in channels[landed:]:
+                for channel in channels[landed : len(arrivals)]:
                     self._conn.cancel_recv(channel)
             else:  # bytes may still be landing in our blocks: the link is done
                 self._fail(exc if isinstance(exc, TransferError) else

@@ -49,7 +49,7 @@ from kvbridge.transfer.direct import MAX_RANGES_PER_CHUNK, block_ranges, head_sp
 from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
 from kvbridge.transfer.grants import GrantTable
 from kvbridge.transfer.handshake import Identity, recv_msg, reject, send_msg, serve_handshake
-from kvbridge.transfer.iov import send_iov
+from kvbridge.transfer.iov import post_send_iov
 from kvbridge.transfer.staging import Buffer, BufferPool
 from kvbridge.transfer.ucp_lib import UcpLibrary
 from kvbridge.transfer.ucx import UcxConnection
@@ -363,14 +363,18 @@ async def _send_chunks(
 
 
 async def _send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest) -> None:
-    """Send each chunk as one message straight from the cache blocks (see ``direct.py``)."""
+    """Send each chunk as one message straight from the cache blocks (see ``direct.py``).
+
+    Every chunk is posted at once (the reader posted all its receives before
+    asking), then awaited under one deadline of ``chunk_timeout_s`` per chunk.
+    """
     cfg, local = ctx.config, ctx.local
     span = head_span(local, req.head_start, req.head_end)
     assert span is not None  # _check_request
-    layers = local.layers[req.layer_start : req.layer_end]
+    layers = slice(req.layer_start, req.layer_end)
     ids = np.asarray(req.block_ids, dtype=np.int64)
     num_chunks = math.ceil(ids.size / req.chunk_blocks)
-    sends: list[asyncio.Task[None]] = []
+    sends: list[asyncio.Future[None]] = []
     try:
         for chunk in range(num_chunks):
             if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
@@ -378,16 +382,20 @@ async def _send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRe
             chunk_ids = ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
             iov = block_ranges(local, chunk_ids, layers, span)
             ctx.num_data_bytes_sent += int(iov[:, 1].sum())
-            sends.append(asyncio.create_task(send_iov(
-                ctx.ucp, conn, iov, channel_of(req.xfer_id, chunk),
-                timeout_s=cfg.chunk_timeout_s,
-            )))
-        await asyncio.gather(*sends)
+            sends.append(post_send_iov(ctx.ucp, conn, iov, channel_of(req.xfer_id, chunk)))
+        all_sent = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
+        await conn.wait(all_sent, timeout_s=cfg.chunk_timeout_s * num_chunks, what="iov send")
     finally:
-        for task in sends:
-            task.cancel()
-        await asyncio.gather(*sends, return_exceptions=True)
-    ctx.num_bytes_served += ids.size * len(layers) * num_planes(local) * span.nbytes
+        for sent in sends:
+            if not sent.done():
+                sent.add_done_callback(_ignore_outcome)
+    num_layers = req.layer_end - req.layer_start
+    ctx.num_bytes_served += ids.size * num_layers * num_planes(local) * span.nbytes
+
+
+def _ignore_outcome(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _pack(

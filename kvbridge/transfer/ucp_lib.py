@@ -1,9 +1,16 @@
-"""ctypes bindings of the few libucp calls ucxx does not expose (RMA, IOV tag messages).
+"""ctypes bindings of the libucp calls kvbridge makes itself, and their requests.
 
-Shared by :mod:`kvbridge.transfer.rma` (one-sided put/get) and
+ucxx lacks RMA and IOV tag messages; and for the hot path (control frames,
+progress) a direct call is several times cheaper than ucxx's wrappers. Every
+call releases the GIL (``CDLL``): it may wait for the worker's lock, which
+UCX's own thread can hold while it calls into Python (ucxx's listener
+callback) — holding the GIL here would deadlock the process.
+
+Shared by :mod:`kvbridge.transfer.rma` (one-sided put/get),
 :mod:`kvbridge.transfer.iov` (tagged messages gathered from / scattered into
-lists of memory ranges). Every function here runs on the handles ucxx created,
-in the same libucp ucxx loaded.
+lists of memory ranges) and :mod:`kvbridge.transfer.ucx` (tagged control
+frames, progress). Every function here runs on the handles ucxx created, in the
+same libucp ucxx loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
-from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferError
 
 __all__ = [
     "DATATYPE_IOV",
@@ -28,11 +35,13 @@ __all__ = [
     "TagRecvInfo",
     "UcpError",
     "UcpLibrary",
+    "UcpRequest",
     "ptr_status",
 ]
 
 UCS_OK, UCS_INPROGRESS = 0, 1
 UCS_ERR_LAST = -100
+UCS_ERR_MESSAGE_TRUNCATED, UCS_ERR_CANCELED = -9, -16
 MEMORY_TYPE_HOST = 0
 # ucp_request_param_t op_attr_mask bits
 OP_DATATYPE, OP_MEMORY_TYPE, OP_MEMH = 1 << 3, 1 << 6, 1 << 8
@@ -142,6 +151,8 @@ class UcpLibrary:
         self.tag_recv_request_test = _fn(ucp.ucp_tag_recv_request_test, st, vp, ptr(TagRecvInfo))
         self.request_check_status = _fn(ucp.ucp_request_check_status, st, vp)
         self.request_free = _fn(ucp.ucp_request_free, None, vp)
+        self.request_cancel = _fn(ucp.ucp_request_cancel, None, vp, vp)
+        self.worker_progress = _fn(ucp.ucp_worker_progress, ctypes.c_uint, vp)
         self.status_string = _fn(ucs.ucs_status_string, ctypes.c_char_p, st)
 
     def status_name(self, status: int) -> str:
@@ -168,3 +179,73 @@ def ptr_status(value: int | None) -> int | None:
     if value >= (1 << 64) + UCS_ERR_LAST:
         return value - (1 << 64)
     return None
+
+
+class UcpRequest:
+    """One UCP tagged send or receive; quacks like a ucxx request for ``UcxWorker.track``.
+
+    Args:
+        lib: the library that posted it.
+        value: what the ``*_nbx`` call returned (request pointer or status).
+        what: names the operation in errors.
+        expected_nbytes: for a receive that must be filled exactly; None otherwise.
+
+    A receive checks that exactly ``expected_nbytes`` arrived: fewer bytes (an
+    abandoned receive is completed with an empty message) or a truncated one
+    is a :class:`ProtocolError`.
+    """
+
+    def __init__(
+        self, lib: UcpLibrary, value: int | None, what: str, expected_nbytes: int | None,
+    ) -> None:
+        self._lib = lib
+        self._what = what
+        self._expected = expected_nbytes
+        self._request: int | None = None
+        self._error: Exception | None = None
+        status = ptr_status(value)
+        if status is None:
+            self._request = value
+        elif status != UCS_OK:
+            self._error = _status_error(lib, what, status)
+
+    @property
+    def completed(self) -> bool:
+        request = self._request
+        if request is None:
+            return True
+        if self._expected is None:
+            status = self._lib.request_check_status(request)
+        else:
+            info = TagRecvInfo()
+            status = self._lib.tag_recv_request_test(request, ctypes.byref(info))
+            if status == UCS_OK and info.length != self._expected:
+                self._error = ProtocolError(
+                    f"{self._what}: {info.length} bytes arrived, expected {self._expected}"
+                )
+        if status == UCS_INPROGRESS:
+            return False
+        self._lib.request_free(request)
+        self._request = None
+        if status != UCS_OK and self._error is None:
+            self._error = _status_error(self._lib, self._what, status)
+        return True
+
+    def cancel(self, worker_handle: int) -> None:
+        """Ask UCX to end the request; it completes (canceled) on the next progress."""
+        if self._request is not None:
+            self._lib.request_cancel(worker_handle, self._request)
+
+    def check_error(self) -> None:
+        """Raise the failure of a completed request (``UcxWorker`` maps it)."""
+        if self._error is not None:
+            raise self._error
+
+def _status_error(lib: UcpLibrary, what: str, status: int) -> TransferError:
+    """The typed error of a failed request: truncation is the peer's protocol fault,
+    cancellation a closed connection, anything else a :class:`UcpError`."""
+    if status == UCS_ERR_MESSAGE_TRUNCATED:
+        return ProtocolError(f"{what}: message larger than the posted buffer")
+    if status == UCS_ERR_CANCELED:
+        return PeerClosedError(f"{what}: canceled")
+    return UcpError(what, status, lib.status_name(status))

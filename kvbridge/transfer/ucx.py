@@ -13,11 +13,17 @@ hand. The price: UCX never tells us a peer died. Failure detection is therefore
 the application's: every wait has a deadline, idle connections exchange
 heartbeats (agent), and a timed-out connection is aborted and re-handshaked.
 
-Progress: a single driver task calls ``worker.progress()``. While any *busy*
-request (bulk data) is in flight, or for a short grace period after a completion
-(so request/reply round trips stay sub-millisecond), it spins with
-``asyncio.sleep(0)``; otherwise it arms the worker and sleeps on its epoll file
-descriptor, with a short safety timeout in case a transport misses a wakeup.
+Progress: a single driver task calls ``ucp_worker_progress``. While any *busy*
+request (bulk data) is in flight it polls in tight slices of ``_BUSY_SLICE_S``
+(shared-memory transfers move only as fast as both ends poll), yielding to the
+loop between slices; for a short grace period after a completion it spins with
+``asyncio.sleep(0)`` (so request/reply round trips stay sub-millisecond);
+otherwise it arms the worker and sleeps on its epoll file descriptor, with a
+short safety timeout in case a transport misses a wakeup.
+
+Tagged sends and receives go through libucp directly (``ucp_lib``: cheaper per
+call than ucxx's wrappers, which matters on the per-request path); ucxx still
+creates the context, worker, listener and endpoints and swaps the greetings.
 
 Stray messages: UCX keeps a tagged message that no posted receive matches until
 one does, for ever. Every ``_DRAIN_EVERY_S`` the driver receives and drops those
@@ -38,10 +44,12 @@ at most ``max_frame_nbytes``; a bigger, shorter or corrupted frame is a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import random
 import struct
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,6 +67,7 @@ from kvbridge.transfer.errors import (
     ProtocolError,
     TransferError,
 )
+from kvbridge.transfer.ucp_lib import RequestParam, UcpLibrary, UcpRequest
 
 __all__ = ["MAX_CHANNEL", "SAFE_TLS", "UcxConnection", "UcxWorker"]
 
@@ -71,8 +80,11 @@ _HELLO = struct.Struct("<8sQ")  # magic, connection id
 _MAGIC = b"KVBUCX01"
 _FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
 _DRAIN_EVERY_S = 0.25
+_BUSY_SLICE_S = 0.0002  # longest tight polling run while bulk data is in flight
 _MAX_DRAIN = 4096  # stray messages dropped per pass
 _SCRATCH_NBYTES = 64  # stray messages land here, truncated
+_TAG_MASK_FULL = (1 << 64) - 1
+_CONTIG = ctypes.byref(RequestParam(op_attr_mask=0))  # contiguous bytes, no callback
 #: Every transport but the cross-memory-attach ones. With peer error handling off
 #: (see above), a peer that dies while UCX copies its memory with
 #: process_vm_readv/writev (cma; knem and xpmem alike) makes UCX abort THIS
@@ -145,6 +157,7 @@ class UcxWorker:
         )
         self._worker = ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
+        self.ucp = UcpLibrary()
         self._spin_s = spin_s
         self._busy_poll_s = busy_poll_s
         self._idle_poll_s = idle_poll_s
@@ -168,9 +181,17 @@ class UcxWorker:
         # Spin only briefly after the last event: on a host with fewer cores than
         # busy threads, spinning would steal the very CPU the peer needs to answer.
         loop = self._loop
+        progress, handle = self.ucp.worker_progress, self._worker.handle
         while not self._closed:
-            while self._worker.progress_once():
-                self._last_event = loop.time()
+            # While bulk data moves, poll UCX in a tight loop for a slice before
+            # letting other tasks run: shared-memory transfers advance only as
+            # fast as both ends poll.
+            busy_until = time.perf_counter() + _BUSY_SLICE_S if self._num_busy else 0.0
+            while True:
+                while progress(handle):
+                    self._last_event = loop.time()
+                if self._num_busy == 0 or time.perf_counter() >= busy_until or self._reap():
+                    break
             self._reap()
             if loop.time() >= self._next_drain:
                 self._drain_stray()
@@ -190,9 +211,10 @@ class UcxWorker:
                 pass
             self._last_event = loop.time()
 
-    def _reap(self) -> None:
+    def _reap(self) -> bool:
+        """Resolve the futures of completed requests; True if any completed."""
         if not self._pending:
-            return
+            return False
         still: list[_Pending] = []
         for item in self._pending:
             if not item.request.completed:
@@ -211,7 +233,9 @@ class UcxWorker:
                 item.future.set_exception(_map_ucx_error(exc, "ucx request"))
             else:
                 item.future.set_result(None)
+        num_done = len(self._pending) - len(still)
         self._pending = still
+        return num_done > 0
 
     def _drain_stray(self) -> None:
         """Receive and drop unexpected tagged messages that no receive will ever match.
@@ -394,7 +418,15 @@ class UcxWorker:
         await asyncio.gather(self._driver, *self._tasks, return_exceptions=True)
         self._listener = None
         self._self_endpoint = None
+        # Requests posted through libucp directly are ours to cancel and free
+        # (ucxx cleans up its own); a cancelled request completes on progress.
+        handle = self._worker.handle
         for item in self._pending:
+            if isinstance(item.request, UcpRequest):
+                item.request.cancel(handle)
+        self.ucp.worker_progress(handle)
+        for item in self._pending:
+            item.request.completed  # frees what completed  # noqa: B018
             if not item.future.done():
                 item.future.set_exception(PeerClosedError("UCX worker closed"))
         self._pending.clear()
@@ -428,7 +460,7 @@ class UcxConnection:
         if self._closed:
             raise PeerClosedError(f"{what} on closed connection to {self.peer}")
 
-    async def _wait(self, future: asyncio.Future[None], timeout_s: float, what: str) -> None:
+    async def _wait(self, future: asyncio.Future[Any], timeout_s: float, what: str) -> None:
         try:
             async with asyncio.timeout(timeout_s):
                 await future
@@ -503,17 +535,31 @@ class UcxConnection:
         if not self._closed:
             self._worker.complete_abandoned(self._tag(self.local_id, channel))
 
+    def post_send(self, buf: Bytes, channel: int, *, busy: bool = True) -> asyncio.Future[None]:
+        """Post a send of a contiguous uint8 buffer on ``channel``; return its future.
+
+        For callers that need not wait (a control frame whose answer, or whose
+        link's heartbeat, has its own deadline). ``buf`` is kept alive until the
+        send ends.
+
+        Raises:
+            PeerClosedError: the connection is closed.
+        """
+        self._check_open("send")
+        logger.debug("send peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
+        lib = self._worker.ucp
+        value = lib.tag_send_nbx(self._endpoint.handle, buf.ctypes.data, buf.nbytes,
+                                 self._tag_value(self.remote_id, channel), _CONTIG)
+        request = UcpRequest(lib, value, f"send to {self.peer}", None)
+        return self._worker.track(request, buf, busy=busy)
+
     async def send(self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True) -> None:
         """Send a contiguous uint8 buffer on ``channel``.
 
         Raises:
             PeerTimeoutError, PeerClosedError, TransferError: the send failed.
         """
-        self._check_open("send")
-        arr = Array(buf)
-        logger.debug("send peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
-        request = self._endpoint.tag_send(arr, self._tag(self.remote_id, channel))
-        await self._wait(self._worker.track(request, arr, busy=busy), timeout_s, "send")
+        await self._wait(self.post_send(buf, channel, busy=busy), timeout_s, "send")
 
     def post_recv(self, buf: Bytes, channel: int, *, busy: bool = True) -> asyncio.Future[None]:
         """Post a receive of exactly ``buf.nbytes`` bytes; await the result with ``wait``.
@@ -522,15 +568,16 @@ class UcxConnection:
         up waiting it must abort the connection and never reuse the buffer.
         """
         self._check_open("recv")
-        arr = Array(buf)
         logger.debug("recv peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
-        tag = self._tag(self.local_id, channel)
-        request = self._endpoint.tag_recv(arr, tag)
+        lib = self._worker.ucp
+        value = lib.tag_recv_nbx(self.worker_handle, buf.ctypes.data, buf.nbytes,
+                                 self._tag_value(self.local_id, channel), _TAG_MASK_FULL, _CONTIG)
+        request = UcpRequest(lib, value, f"recv from {self.peer}", None)
         self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
-        self._recvs.append((tag, request))
-        return self._worker.track(request, arr, busy=busy)
+        self._recvs.append((self._tag(self.local_id, channel), request))
+        return self._worker.track(request, buf, busy=busy)
 
-    async def wait(self, future: asyncio.Future[None], *, timeout_s: float, what: str) -> None:
+    async def wait(self, future: asyncio.Future[Any], *, timeout_s: float, what: str) -> None:
         """Await a posted operation with a deadline (raises ``PeerTimeoutError``)."""
         await self._wait(future, timeout_s, what)
 
@@ -538,11 +585,15 @@ class UcxConnection:
         """Receive exactly ``buf.nbytes`` bytes on ``channel`` into ``buf``."""
         await self._wait(self.post_recv(buf, channel, busy=busy), timeout_s, "recv")
 
-    async def send_frame(self, payload: bytes, *, timeout_s: float) -> None:
-        """Send one control frame (length and CRC prepended) on channel 0."""
+    def post_frame(self, payload: bytes) -> asyncio.Future[None]:
+        """Post one control frame (length and CRC prepended) on channel 0; see ``post_send``."""
         header = _FRAME_HEADER.pack(len(payload), zlib.crc32(payload))
         frame = np.frombuffer(header + payload, dtype=np.uint8)
-        await self.send(frame, 0, timeout_s=timeout_s, busy=False)
+        return self.post_send(frame, 0, busy=False)
+
+    async def send_frame(self, payload: bytes, *, timeout_s: float) -> None:
+        """Send one control frame (length and CRC prepended) on channel 0."""
+        await self._wait(self.post_frame(payload), timeout_s, "send")
 
     async def recv_frame(self, *, max_nbytes: int, timeout_s: float) -> bytes:
         """Receive one control frame on channel 0 and return its checked payload.

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple
 
@@ -54,6 +55,8 @@ __all__ = [
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_PREFIX = "kvb"
 HOST_IFNAME = "eth0"
+_NFQUEUE_SCRIPT = Path(__file__).with_name("nfqueue_link.py")
+_NFQUEUE_BASE = 40  # queue number of the lab's first host
 _SWITCH = "switch"
 _BRIDGE = "br0"
 _HOST_NAME = re.compile(r"[a-z][a-z0-9]{0,11}")  # "p-" + name must fit IFNAMSIZ (15)
@@ -326,6 +329,7 @@ class NetnsLab:
         self._network = network
         self._names = list(host_names)
         self._hosts: dict[str, Host] = {}
+        self._delay_lines: dict[str, tuple[subprocess.Popen[str], list[str]]] = {}
         self._procs: list[subprocess.Popen[str]] = []
         self._created: list[str] = []  # namespaces, in creation order
         self._old_handlers: dict[int, Any] = {}
@@ -403,15 +407,20 @@ class NetnsLab:
     def netem(
         self, host: Host | str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0,
         loss_pct: float = 0.0,
-    ) -> None:
-        """Delay and/or drop packets leaving ``host`` (``tc netem`` on its eth0; replaces any).
+    ) -> str:
+        """Delay and/or drop packets leaving ``host``'s eth0 (replaces any earlier setting).
 
-        One way only: a round trip with ``host`` gains ``delay_ms`` once; shape both
-        ends for a symmetric link.
+        ``tc netem`` where the kernel has ``sch_netem``; otherwise the same in user
+        space (``nfqueue_link.py``: an iptables NFQUEUE rule and a delay line
+        running in the host). One way only: a round trip with ``host`` gains
+        ``delay_ms`` once; shape both ends for a symmetric link.
+
+        Returns:
+            ``"tc"`` or ``"nfqueue"``: which one shapes the link.
 
         Raises:
             ValueError: negative delay/jitter, loss outside [0, 100], or jitter without delay.
-            NetemUnavailableError: ``tc`` missing or the kernel has no sch_netem.
+            NetemUnavailableError: neither sch_netem nor iptables with NFQUEUE is usable.
         """
         target = self._host(host)
         bad_jitter = jitter_ms < 0 or (jitter_ms > 0 and delay_ms == 0)
@@ -421,23 +430,58 @@ class NetnsLab:
                              f"jitter_ms={jitter_ms}, loss_pct={loss_pct}")
         if shutil.which("tc") is None:
             raise NetemUnavailableError("`tc` not found on PATH: install iproute2")
+        self.clear_netem(target)
         cmd = ["tc", "-n", target.netns, "qdisc", "replace", "dev", HOST_IFNAME, "root", "netem",
                "delay", f"{delay_ms}ms", *([f"{jitter_ms}ms"] if jitter_ms else []),
                "loss", f"{loss_pct}%"]
         try:
             _run(cmd)
+            return "tc"
         except NetnsCommandError as exc:
-            if "unknown" in exc.stderr.lower():
-                raise NetemUnavailableError(
-                    f"kernel {platform.release()} has no sch_netem qdisc (CONFIG_NET_SCH_NETEM "
-                    f"off or module not loadable; try `modprobe sch_netem`); tc said: "
-                    f"{exc.stderr.strip()}") from exc
-            raise
+            if "unknown" not in exc.stderr.lower():
+                raise
+            no_qdisc = (f"kernel {platform.release()} has no sch_netem qdisc (CONFIG_NET_SCH_NETEM "
+                        f"off or module not loadable); tc said: {exc.stderr.strip()}")
+        self._nfqueue_netem(target, delay_ms, jitter_ms, loss_pct, no_qdisc)
+        return "nfqueue"
+
+    def _nfqueue_netem(
+        self, target: Host, delay_ms: float, jitter_ms: float, loss_pct: float, why: str
+    ) -> None:
+        iptables = shutil.which("iptables-legacy") or shutil.which("iptables")
+        if iptables is None:
+            raise NetemUnavailableError(f"{why}; and no iptables for the NFQUEUE fallback "
+                                        f"(apt-get install iptables)")
+        queue = _NFQUEUE_BASE + list(self._hosts).index(target.name)
+        line = target.popen([sys.executable, str(_NFQUEUE_SCRIPT), "--queue", str(queue),
+                             "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms),
+                             "--loss-pct", str(loss_pct), "--seed", str(queue)])
+        try:
+            wait_for_line(line, "READY", timeout_s=15)
+        except (TimeoutError, RuntimeError) as exc:
+            line.kill()
+            raise NetemUnavailableError(f"{why}; and the NFQUEUE delay line did not start: "
+                                        f"{exc}") from exc
+        rule = ["-o", HOST_IFNAME, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+        try:
+            _run(target.command([iptables, "-A", "OUTPUT", *rule]))
+        except NetnsCommandError as exc:
+            line.kill()
+            raise NetemUnavailableError(f"{why}; and iptables refused the NFQUEUE rule: "
+                                        f"{exc.stderr.strip()}") from exc
+        self._delay_lines[target.name] = (line, [iptables, "-D", "OUTPUT", *rule])
 
     def clear_netem(self, host: Host | str) -> None:
-        """Remove a qdisc set by :meth:`netem` (no-op if none)."""
-        netns = self._host(host).netns
-        _run(["tc", "-n", netns, "qdisc", "del", "dev", HOST_IFNAME, "root"], check=False)
+        """Remove what :meth:`netem` set on ``host`` (no-op if nothing)."""
+        target = self._host(host)
+        _run(["tc", "-n", target.netns, "qdisc", "del", "dev", HOST_IFNAME, "root"], check=False)
+        held = self._delay_lines.pop(target.name, None)
+        if held is not None:
+            line, delete_rule = held
+            _run(target.command(delete_rule), check=False)
+            line.terminate()  # lets the packets it holds go
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                line.wait(timeout=5)
 
     # --------------------------------------------------------------- teardown
     def _install_signal_handlers(self) -> None:
