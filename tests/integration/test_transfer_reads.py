@@ -187,3 +187,25 @@ def test_read_matches_source(hosts: tuple[Host, Host], name: str) -> None:
     finally:
         close_engine(p_engine)
         close_engine(d_engine)
+
+
+def test_wait_finished_sleeps_until_a_read_ends(hosts: tuple[Host, Host]) -> None:
+    p_engine = start_engine(hosts[0], Spec("p-w", tp_size=1, seed=5))
+    d_engine = start_engine(hosts[1], Spec("d-w", tp_size=1, seed=-1))
+    [reader] = d_engine
+    try:
+        seconds, ready = reader.call("wait", 0.3)
+        assert (ready, seconds >= 0.25) == (False, True)  # nothing in flight: times out
+        token = issue(p_engine, "req-w", [3, 4], 1)
+        read(d_engine, p_engine, "req-w", token, [3, 4], [7, 9], 32)
+        seconds, ready = reader.call("wait", 20.0)
+        assert ready and seconds < 20.0
+        _, recving, failed, _ = reader.call("poll")
+        assert recving == {"req-w"} and failed == {}
+        seconds, ready = reader.call("wait", 0.2)  # taken: nothing ready any more
+        assert not ready
+        got = gather_logical(d_engine, [7, 9], 32)
+        assert torch.equal(got, gather_logical(p_engine, [3, 4], 32))
+    finally:
+        close_engine(p_engine)
+        close_engine(d_engine)

@@ -9,6 +9,7 @@ wedged agent fails the test instead of hanging it.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,10 @@ def _child(conn: Connection) -> None:
         if cmd == "poll":
             sending, recving = agent.get_finished()
             return sending, recving, agent.get_failed_block_ids(), agent.get_stats()
+        if cmd == "wait":  # seconds spent in wait_finished, and what it returned
+            started = time.monotonic()
+            ready = agent.wait_finished(args[0])
+            return time.monotonic() - started, ready
         if cmd == "caches":
             return caches
         if cmd == "zero":
