@@ -38,13 +38,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvbridge.demo_procs import reserve_ports
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import SamplingParams
@@ -63,10 +63,9 @@ class E2EError(RuntimeError):
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A free port below the ephemeral range (see ``reserve_ports``)."""
+    [port] = reserve_ports([1])
+    return port
 
 
 def _engine(model: str, name: str | None, layout: KVLayout | None = None) -> LLMEngine:

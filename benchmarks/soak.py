@@ -37,7 +37,6 @@ import queue
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvbridge.demo_procs import reserve_ports
 
 _READY = re.compile(r"kvbridge (serve|proxy) ready on (http://\S+)$")
 _START_TIMEOUT_S = 180.0
@@ -113,13 +114,6 @@ class Proc:
             self.proc.wait(40)
         except subprocess.TimeoutExpired:
             self.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)
@@ -267,14 +261,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvbridge-soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["serve", "--model", "tiny", "--max-model-len", str(_MAX_MODEL_LEN)]
-    p_http, p_transfer = _free_port(), _free_port()
+    p_http, p_transfer, d_transfer = reserve_ports([1, 1, 1])  # disjoint, below ephemeral
     p = Proc("prefill", [*common, "--port", str(p_http), "--role", "prefill", "--block-size",
                          "16", "--kv-layout", "NHD", "--num-blocks", "96", "--transfer-port",
                          str(p_transfer), "--engine-id", "soak-p", "--lease", str(args.lease)],
              log_dir / "prefill.log")
     d = Proc("decode", [*common, "--port", "0", "--role", "decode", "--block-size", "32",
                         "--kv-layout", "HND", "--num-blocks", "48", "--transfer-port",
-                        str(_free_port())], log_dir / "decode.log")
+                        str(d_transfer)], log_dir / "decode.log")
     c = Proc("colocated", [*common, "--port", "0", "--num-blocks", "96"],
              log_dir / "colocated.log")
     procs = [p, d, c]

@@ -13,7 +13,6 @@ with params that name a grant P never issued.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
 from kvbridge.layout import KVLayout
 from kvbridge.transfer.config import AgentConfig
 from tests.engine.helpers import MICRO
+from tests.ports import free_port_base
 
 pytestmark = pytest.mark.integration
 
@@ -54,23 +54,6 @@ PROMPTS: list[list[int]] = [
     LONG,
 ]
 
-
-def free_port_base(num_ports: int) -> int:
-    """A base port whose ``num_ports`` consecutive ports were free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + num_ports > 65535:
-            continue
-        try:
-            for offset in range(1, num_ports):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range on loopback")
 
 
 def make_engine(name: str) -> LLMEngine:

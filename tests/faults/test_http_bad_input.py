@@ -26,12 +26,12 @@ import pytest
 
 from tests.integration.test_serve_http import (
     Served,
-    free_port,
     metrics,
     spawn,
     wait_metrics,
     wait_ready,
 )
+from tests.ports import free_port
 
 pytestmark = pytest.mark.faults
 

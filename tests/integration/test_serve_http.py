@@ -16,7 +16,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from kvbridge.serve_cli import (
     main,
     parse_nbytes,
 )
+from tests.ports import free_port
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 40.0
@@ -104,12 +104,6 @@ def wait_ready(proc: subprocess.Popen[str], lines: queue.Queue[str], stderr: Pat
     proc.wait(STOP_TIMEOUT_S)
     pytest.fail(f"no ready line (exit {proc.returncode}):\n{stderr.read_text()[-3000:]}")
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -8,7 +8,6 @@ wedged agent fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -190,20 +189,3 @@ class AgentRef:
     def call(self, cmd: str, *args: Any, **kwargs: Any) -> Any:
         return self.host.call(cmd, self.name, kwargs if cmd == "read" else args)
 
-
-def free_port_base(num_ports: int) -> int:
-    """A base port with ``num_ports`` consecutive ports that were free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base: int = probe.getsockname()[1]
-        if base + num_ports >= 65535:
-            continue
-        try:
-            for offset in range(1, num_ports):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
