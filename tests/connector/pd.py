@@ -7,7 +7,7 @@ from typing import Any
 
 from tests.connector.engine_proc import EngineHost, EngineRef
 from tests.connector.harness import EngineSpec
-from tests.transfer.agent_proc import free_port_base
+from tests.ports import free_port_base
 
 FAST = {"connect_timeout_s": 2.0, "handshake_timeout_s": 2.0, "reply_timeout_s": 3.0,
         "chunk_timeout_s": 3.0, "heartbeat_s": 0.5, "read_timeout_s": 10.0}

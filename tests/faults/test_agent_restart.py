@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
-from tests.transfer.agent_proc import AgentRef, Host, Spec, free_port_base, logical
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
 
 pytestmark = pytest.mark.faults
 

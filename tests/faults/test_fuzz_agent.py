@@ -41,7 +41,8 @@ from tests.faults.fuzz_client import (
     wait_idle,
 )
 from tests.integration.test_transfer_reads import issue
-from tests.transfer.agent_proc import Spec, free_port_base
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import Spec
 
 pytestmark = pytest.mark.faults
 

@@ -28,6 +28,7 @@ from tests.integration.test_serve_http import (
     Served,
     metrics,
     spawn,
+    wait_all_ready,
     wait_metrics,
     wait_ready,
 )
@@ -67,7 +68,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
             spawn(tmp, "decode", *common, "--role", "decode", "--block-size", "32",
                   "--num-blocks", "40", "--transfer-port", str(free_port())),
         ]
-        started += [wait_ready(*p) for p in pending]
+        started += wait_all_ready(pending)
         started.append(wait_ready(*spawn(tmp, "proxy", "proxy", "--port", "0", "--prefill",
                                          started[0].url, "--decode", started[1].url,
                                          "--timeout", "60")))

@@ -31,7 +31,8 @@ from kvbridge.transfer.server import channel_of
 from kvbridge.transfer.ucx import UcxWorker
 from tests.faults.fuzz_client import CODEC, MAX_FRAME, FaultHost, counters, good_read, hosts
 from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
-from tests.transfer.agent_proc import AgentRef, Spec, free_port_base
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import AgentRef, Spec
 
 pytestmark = pytest.mark.faults
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import queue
 import re
@@ -58,6 +59,11 @@ class Served:
     url: str
     stderr_path: Path
 
+    def stop_quietly(self) -> None:
+        """``stop`` for cleanup after a failure: never raises."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.stop()
+
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`; returns the exit code."""
         if self.proc.poll() is None:
@@ -100,9 +106,27 @@ def wait_ready(proc: subprocess.Popen[str], lines: queue.Queue[str], stderr: Pat
         match = re.match(r"kvbridge (serve|proxy) ready on (http://\S+)$", line.strip())
         if match:
             return Served(proc, match.group(2), stderr)
-    proc.kill()
-    proc.wait(STOP_TIMEOUT_S)
+    Served(proc, "", stderr).stop_quietly()
     pytest.fail(f"no ready line (exit {proc.returncode}):\n{stderr.read_text()[-3000:]}")
+
+
+def wait_all_ready(
+    pending: list[tuple[subprocess.Popen[str], queue.Queue[str], Path]],
+) -> list[Served]:
+    """``wait_ready`` for each of ``pending``; if one fails, all of them are stopped.
+
+    A fixture that fails while starting must not leave servers (and their TP
+    workers) running for the rest of the session.
+    """
+    served: list[Served] = []
+    try:
+        for item in pending:
+            served.append(wait_ready(*item))
+    except BaseException:
+        for proc, _, stderr in pending:
+            Served(proc, "", stderr).stop_quietly()
+        raise
+    return served
 
 
 
@@ -129,7 +153,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                   str(free_port())),
             spawn(tmp, "colocated", *common, "--num-blocks", "80"),
         ]
-        started += [wait_ready(*p) for p in pending]
+        started += wait_all_ready(pending)
         p, d = started[0].url, started[1].url
         started.append(wait_ready(*spawn(tmp, "proxy", "proxy", "--port", "0", "--prefill", p,
                                          "--decode", d, "--timeout", "60")))

@@ -23,7 +23,8 @@ from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, Protocol
 from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.ucx import UcxConnection, UcxWorker
 from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
-from tests.transfer.agent_proc import AgentRef, Host, Spec, free_port_base, logical
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.transfer.agent_proc import AgentRef, Host, Spec, free_port_base, logical
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
 
 pytestmark = pytest.mark.integration
 
