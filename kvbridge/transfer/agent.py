@@ -34,6 +34,7 @@ rank it would have read from, with ``notify_done``, so P frees at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -54,7 +55,7 @@ from kvbridge.transfer.handshake import Identity
 from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
 from kvbridge.transfer.reader import ReaderContext
 from kvbridge.transfer.security import CompatInfo, compat_hash
-from kvbridge.transfer.server import ServerContext, serve_connection
+from kvbridge.transfer.server import ServerContext, grant_issued, serve_connection
 from kvbridge.transfer.staging import BufferPool
 from kvbridge.transfer.ucx import UcxConnection, UcxWorker
 
@@ -314,11 +315,15 @@ class TransferAgent:
         grant = self.grants.issue(
             request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest
         )
-        if token is None:
-            return grant
-        self._aliases[token] = grant.token
-        self._alias_of_request[request_id] = token
-        return replace(grant, token=token)
+        if token is not None:
+            self._aliases[token] = grant.token
+            self._alias_of_request[request_id] = token
+            grant = replace(grant, token=token)
+        running = self._running
+        if running is not None and not self._closed:  # a read may wait for it: wake it now
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                running.loop.call_soon_threadsafe(grant_issued, running.server)
+        return grant
 
     # ---------------------------------------------------------------- reading side
     def start_read(

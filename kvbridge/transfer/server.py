@@ -57,7 +57,7 @@ from kvbridge.transfer.ucx import UcxConnection
 logger = logging.getLogger(__name__)
 
 R = wire.RejectReason
-_GRANT_POLL_S = 0.005
+_GRANT_POLL_S = 0.05  # a fallback: issue_grant wakes waiters at once
 _GRANT_REASONS: list[tuple[type[Exception], wire.RejectReason]] = [
     (grant_errors.ExpiredGrantError, R.EXPIRED_GRANT),
     (grant_errors.UnknownGrantError, R.UNKNOWN_GRANT),
@@ -86,6 +86,8 @@ class ServerContext:
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
     ucp: UcpLibrary = field(default_factory=UcpLibrary)
     reports: set[asyncio.Task[None]] = field(default_factory=set)  # done reports waiting
+    # Set (and replaced) each time the engine issues a grant: see ``grant_issued``.
+    issued: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: set[Session] = field(default_factory=set)  # open sessions
     num_sessions_total: int = 0
     num_bytes_served: int = 0  # KV bytes of reads served to the end
@@ -141,18 +143,28 @@ def _expected_readers(ctx: ServerContext, hello: wire.Hello) -> int:
     return num_expected_readers(reader, local.topology, local.tp_rank, local.pp_rank)
 
 
+def grant_issued(ctx: ServerContext) -> None:
+    """Wake every read or report waiting for a grant (loop thread; the agent calls it)."""
+    woken, ctx.issued = ctx.issued, asyncio.Event()
+    woken.set()
+
+
 async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str:
     """The table token a reader's grant ``name`` stands for, waiting for it to be issued.
 
     Returns the token as soon as the table knows it (live or released), else after
     ``grant_wait_s`` (the caller's grant call then raises ``UnknownGrantError``).
-    A live grant issued without a reader count gets ``num_readers``.
+    A live grant issued without a reader count gets ``num_readers``. Woken by
+    ``grant_issued``; it also looks every ``_GRANT_POLL_S`` (grants issued on the
+    table directly, not through the agent, wake nobody).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.grant_wait_s
     token = ctx.aliases.get(name, name)
-    while not ctx.grants.is_known(token) and loop.time() < deadline:
-        await asyncio.sleep(_GRANT_POLL_S)
+    while not ctx.grants.is_known(token) and (left_s := deadline - loop.time()) > 0:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(left_s, _GRANT_POLL_S)):
+                await ctx.issued.wait()
         token = ctx.aliases.get(name, name)
     # unknown or released: the grant call that follows says so
     with contextlib.suppress(grant_errors.GrantError):

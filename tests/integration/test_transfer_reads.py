@@ -210,3 +210,24 @@ def test_wait_finished_sleeps_until_a_read_ends(hosts: tuple[Host, Host]) -> Non
     finally:
         close_engine(p_engine)
         close_engine(d_engine)
+
+
+def test_read_waits_for_a_grant_issued_after_it_arrives(hosts: tuple[Host, Host]) -> None:
+    """D's read may reach P before P's engine step issues the grant (the token travels
+    in the HTTP answer first): P holds the read, and the issue wakes it."""
+    p_engine = start_engine(hosts[0], Spec("p-late", tp_size=1, seed=6))
+    d_engine = start_engine(hosts[1], Spec("d-late", tp_size=1, seed=-1))
+    try:
+        token = secrets.token_urlsafe(16)
+        read(d_engine, p_engine, "req-late", token, [8, 2], [4, 6], 32)
+        time.sleep(0.3)
+        assert p_engine[0].call("issue", "req-late", [8, 2], 1, None, token) == token
+        outcome = wait_read(d_engine[0], "req-late")
+        assert outcome["failed"] == set(), outcome["stats"]
+        [stats] = outcome["stats"]
+        assert stats.ok and stats.duration_s >= 0.3  # it did wait for the grant
+        got = gather_logical(d_engine, [4, 6], 32)
+        assert torch.equal(got, gather_logical(p_engine, [8, 2], 32))
+    finally:
+        close_engine(p_engine)
+        close_engine(d_engine)
