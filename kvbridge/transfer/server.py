@@ -377,8 +377,9 @@ async def _send_chunks(
 async def _send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest) -> None:
     """Send each chunk as one message straight from the cache blocks (see ``direct.py``).
 
-    Every chunk is posted at once (the reader posted all its receives before
-    asking), then awaited under one deadline of ``chunk_timeout_s`` per chunk.
+    Every chunk is posted at once (the reader posted the first chunk's receive
+    before asking and posts the others right after, long before they land), then
+    awaited under one deadline of ``chunk_timeout_s`` per chunk.
     """
     cfg, local = ctx.config, ctx.local
     span = head_span(local, req.head_start, req.head_end)
