@@ -159,8 +159,11 @@ class LocalKV:
         # One block of one layer: the MLA latent rows, or its K plane plus its V plane.
         plane_numel = first[0].numel() if topology.is_mla else 2 * first[0, 0].numel()
         self.block_nbytes = plane_numel * self.elem_nbytes
-        # One block of one K (or V, or latent) plane.
-        self.plane_block_nbytes = self.block_nbytes // (1 if topology.is_mla else 2)
+
+    @property
+    def plane_block_nbytes(self) -> int:
+        """Bytes of one block of one K (or V, or MLA latent) plane of one layer."""
+        return self.block_nbytes // (1 if self.topology.is_mla else 2)
 
     def metadata(self, engine_id: str, proof: bytes | None) -> wire.AgentMetadata:
         """The handshake's description of this rank."""

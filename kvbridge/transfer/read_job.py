@@ -208,7 +208,7 @@ class Reads:
                 outcomes: list[ItemResult | None | BaseException] = [
                     await self._run_item(job, plan.items[0])
                 ]
-            except (TransferError, KVBridgeError, OSError) as exc:
+            except Exception as exc:  # what gather(return_exceptions=True) would collect
                 outcomes = [exc]
         else:
             outcomes = await asyncio.gather(

@@ -190,9 +190,8 @@ class UcxWorker:
             while True:
                 while progress(handle):
                     self._last_event = loop.time()
-                if self._num_busy == 0 or time.perf_counter() >= busy_until or self._reap():
+                if self._reap() or self._num_busy == 0 or time.perf_counter() >= busy_until:
                     break
-            self._reap()
             if loop.time() >= self._next_drain:
                 self._drain_stray()
                 self._next_drain = loop.time() + _DRAIN_EVERY_S

@@ -109,6 +109,7 @@ class DelayLine:
         self._sock.send(_message(MSG_CONFIG, self.queue, attrs, self._seq,
                                  NLM_F_REQUEST | NLM_F_ACK))
         deadline = time.monotonic() + 5
+        self._sock.settimeout(5)  # every wait here has a deadline; run() uses select
         while time.monotonic() < deadline:
             for kind, payload in _messages(self._sock.recv(65536)):
                 if kind == NLMSG_ERROR:
