@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -72,6 +72,9 @@ class ConnectorWorker:
         secret: cluster secret, or None for no authentication.
         host_buffer: stage transfers through a host copy of the cache.
         agent_config: transfer timeouts and buffer sizes.
+        on_event: passed to the ``TransferAgent``: called from its thread when
+            ``get_output`` may have news (a read ended, a grant was released),
+            so an engine sleeping between steps can wake up.
 
     Raises:
         ConfigError: ranks out of range or a bad port.
@@ -90,6 +93,7 @@ class ConnectorWorker:
         secret: bytes | None,
         host_buffer: bool = False,
         agent_config: AgentConfig | None = None,
+        on_event: Callable[[], None] | None = None,
     ) -> None:
         self.global_rank = topology.global_rank(tp_rank, pp_rank)
         if base_port and not 1 <= base_port + self.global_rank <= 65535:
@@ -98,6 +102,7 @@ class ConnectorWorker:
         self.tp_rank, self.pp_rank, self.compat = tp_rank, pp_rank, compat
         self.host, self.base_port, self._secret = host, base_port, secret
         self.host_buffer, self._agent_config = host_buffer, agent_config
+        self._on_event = on_event
         self.handshake_metadata: WorkerHandshake | None = None
         self._agent: TransferAgent | None = None
         self._device: list[torch.Tensor] = []
@@ -142,7 +147,7 @@ class ConnectorWorker:
         port = self.base_port + self.global_rank if self.base_port else 0
         agent = TransferAgent(
             self.engine_id, self.topology, self.tp_rank, self.pp_rank, self.compat,
-            port=port, secret=self._secret, config=self._agent_config,
+            port=port, secret=self._secret, config=self._agent_config, on_event=self._on_event,
         )
         agent.register_kv_caches(served)
         agent.start()

@@ -6,6 +6,11 @@ touches it): it takes new requests and aborts from an inbox, steps while there
 is work (requests, or blocks held for remote readers), and hands each output to
 the request's asyncio queue on the caller's event loop. A stream closed early
 (client gone) aborts its request.
+
+While only KV transfers are in flight a step has nothing to run, so the thread
+sleeps on the engine's ``Wakeup`` until a worker's transfer agent reports an
+ended read or a released grant (or a new request arrives), stepping at once
+then; a slow periodic step is only the safety net.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 
 logger = logging.getLogger(__name__)
 
-#: Waits of the engine thread after steps that ran nothing (only transfers in flight).
-_MIN_IDLE_WAIT_S = 0.0005
-_MAX_IDLE_WAIT_S = 0.005
+#: Waits of the engine thread after steps that ran nothing (only transfers in flight):
+#: workers wake it when a transfer ends, so these only bound a missed wake-up.
+_MIN_IDLE_WAIT_S = 0.001
+_MAX_IDLE_WAIT_S = 0.05
 #: Wait of the engine thread when it has no work at all (woken by new requests).
 _SLEEP_WAIT_S = 0.1
 
@@ -61,7 +67,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}
-        self._wakeup = threading.Event()
+        self._wakeup = self.engine.wakeup  # set by _post and by the workers' agents
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvbridge-engine", daemon=True)
@@ -204,10 +210,13 @@ class AsyncEngine:
                 if engine.last_step_num_tokens:
                     idle_wait_s = _MIN_IDLE_WAIT_S
                 else:
-                    # Only transfers in flight: poll them, backing off while nothing
-                    # changes (a new request wakes the thread at once).
-                    self._wakeup.wait(idle_wait_s)
-                    idle_wait_s = min(2 * idle_wait_s, _MAX_IDLE_WAIT_S)
+                    # Only transfers in flight: sleep until a worker reports one ended
+                    # (or a request arrives); poll rarely in case a wake-up was missed.
+                    woken = self._wakeup.wait(idle_wait_s)
+                    # The step after a wake-up often only learns the news (a load
+                    # finished); the one after it runs the request: no wait between.
+                    idle_wait_s = 0.0 if woken else min(
+                        max(2 * idle_wait_s, _MIN_IDLE_WAIT_S), _MAX_IDLE_WAIT_S)
         except Exception as exc:
             logger.exception("engine thread failed")
             self._error = exc

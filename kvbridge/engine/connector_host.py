@@ -109,7 +109,7 @@ class ConnectorWorkerHost:
         self.worker = ConnectorWorker(
             spec.engine_id, spec.topology, ctx.tp_rank, 0, spec.compat, host=spec.host,
             base_port=spec.base_port, secret=spec.secret, host_buffer=spec.host_buffer,
-            agent_config=spec.agent,
+            agent_config=spec.agent, on_event=ctx.notify,
         )
         try:
             self.worker.register_kv_caches(ctx.kv_caches)

@@ -36,6 +36,7 @@ from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import EngineRequest, RequestOutput, SamplingParams
 from kvbridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvbridge.engine.tokenizer import ByteTokenizer
+from kvbridge.engine.wakeup import Wakeup
 from kvbridge.engine.workers import WorkerGroup, WorkerGroupConfig
 from kvbridge.errors import KVBridgeError
 from kvbridge.paged.hashing import BlockHasher
@@ -96,21 +97,27 @@ class LLMEngine:
         extension_config: object = None
         if config.connector is not None:
             connector_scheduler, extension, extension_config = connector_host.build(config)
-        self.workers = WorkerGroup(WorkerGroupConfig(
-            model=model,
-            tp_size=config.tp_size,
-            num_blocks=kv_config.num_blocks,
-            block_size=config.block_size,
-            layout=config.layout,
-            device=config.device,
-            weights_dir=config.weights_dir,
-            max_num_reqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            worker_extension=extension,
-            extension_config=extension_config,
-            in_process=config.in_process,
-            step_timeout_s=config.step_timeout_s,
-        ))
+        # Set by workers when a transfer ends between steps (see AsyncEngine).
+        self.wakeup = Wakeup()
+        try:
+            self.workers = WorkerGroup(WorkerGroupConfig(
+                model=model,
+                tp_size=config.tp_size,
+                num_blocks=kv_config.num_blocks,
+                block_size=config.block_size,
+                layout=config.layout,
+                device=config.device,
+                weights_dir=config.weights_dir,
+                max_num_reqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                worker_extension=extension,
+                extension_config=extension_config,
+                in_process=config.in_process,
+                step_timeout_s=config.step_timeout_s,
+            ), notify=self.wakeup.sender())
+        except BaseException:
+            self.wakeup.close()
+            raise
         self.connector = connector_scheduler
         self._aggregator = (KVOutputAggregator.from_world_size(config.tp_size)
                             if connector_scheduler is not None else None)
@@ -316,6 +323,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (and their connector workers). Idempotent."""
         self.workers.shutdown()
+        self.wakeup.close()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -128,6 +128,10 @@ class WorkerGroupConfig:
         )
 
 
+def _no_wakeup() -> None:
+    """``WorkerContext.notify`` of a group nobody waits on."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerContext:
     """What a worker extension factory gets: this rank and its runner.
@@ -138,12 +142,16 @@ class WorkerContext:
         runner: The rank's model runner (``runner.kv_caches`` are the caches to
             register; ``runner.kv_heads`` the global KV heads they hold).
         config: The group's configuration.
+        notify: Wakes the engine between steps: call it (from any thread, it
+            never blocks) when something the engine polls its workers for
+            happened outside a step, e.g. a KV transfer finished.
     """
 
     tp_rank: int
     tp_size: int
     runner: ModelRunner
     config: WorkerGroupConfig
+    notify: Callable[[], None] = _no_wakeup
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -188,7 +196,10 @@ def load_extension(path: str) -> Callable[[WorkerContext], object]:
 class _RankWorker:
     """One rank's state and message handling (in a worker process or in-process)."""
 
-    def __init__(self, config: WorkerGroupConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: WorkerGroupConfig, tp: TensorParallel,
+        notify: Callable[[], None] = _no_wakeup,
+    ) -> None:
         device = torch.device(config.device)
         if device.type == "cuda":
             device = torch.device("cuda", tp.rank)
@@ -210,7 +221,7 @@ class _RankWorker:
         self.extension: object | None = None
         if config.worker_extension is not None:
             factory = load_extension(config.worker_extension)
-            self.extension = factory(WorkerContext(tp.rank, tp.size, self.runner, config))
+            self.extension = factory(WorkerContext(tp.rank, tp.size, self.runner, config, notify))
 
     def handle(self, msg: tuple[Any, ...]) -> object:
         kind = msg[0]
@@ -248,7 +259,10 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, name="kvbridge-orphan-watch", daemon=True).start()
 
 
-def _worker_main(config: WorkerGroupConfig, rank: int, port: int, conn: Connection) -> None:
+def _worker_main(
+    config: WorkerGroupConfig, rank: int, port: int, conn: Connection,
+    notify: Callable[[], None],
+) -> None:
     """Entry point of a spawned worker: init, report ready, serve until told to stop."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -266,7 +280,7 @@ def _worker_main(config: WorkerGroupConfig, rank: int, port: int, conn: Connecti
             backend=default_backend(config.device),
             timeout_s=config.step_timeout_s,
         )
-        worker = _RankWorker(config, tp)
+        worker = _RankWorker(config, tp, notify)
         conn.send(("ok", worker.handle(("info",))))
         while True:
             try:
@@ -375,6 +389,9 @@ class WorkerGroup:
 
     Args:
         config: What to run and how.
+        notify: Handed to every rank's extension as ``WorkerContext.notify``
+            (picklable: it goes to the worker processes), e.g. a
+            ``Wakeup.sender()`` of the engine thread.
 
     Raises:
         WorkerError: a rank failed to start (its traceback is in the message);
@@ -382,15 +399,18 @@ class WorkerGroup:
         WorkerTimeoutError: startup exceeded ``config.startup_timeout_s``.
     """
 
-    def __init__(self, config: WorkerGroupConfig) -> None:
+    def __init__(
+        self, config: WorkerGroupConfig, notify: Callable[[], None] = _no_wakeup,
+    ) -> None:
         self.config = config
+        self._notify = notify
         self._limits = config.limits()
         self._closed = False
         self._local: _LocalRank | None = None
         self._procs: list[_ProcessRank] = []
         self._ranks: list[_LocalRank | _ProcessRank] = []
         if config.in_process:
-            self._local = _LocalRank(_RankWorker(config, TensorParallel()))
+            self._local = _LocalRank(_RankWorker(config, TensorParallel(), notify))
             self._ranks = [self._local]
             return
         # The finalizer holds the list, not self, so collection and exit reap too.
@@ -409,7 +429,7 @@ class WorkerGroup:
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
                 target=_worker_main,
-                args=(self.config, rank, port, child_conn),
+                args=(self.config, rank, port, child_conn, self._notify),
                 name=f"kvbridge-tp{rank}",
                 daemon=True,
             )

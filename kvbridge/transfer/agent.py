@@ -39,7 +39,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -110,6 +110,10 @@ class TransferAgent:
         secret: cluster secret; when set, peers must prove they know it.
         config: timeouts and buffer sizes.
         clock: time source of the grant table.
+        on_event: called from the agent's thread whenever ``get_finished`` may
+            have news (a read ended, a grant was released); it must be quick,
+            thread-safe and must not call back into the agent. For an engine
+            that sleeps between steps (``kvbridge.engine.wakeup``).
 
     Raises:
         ConfigError: the ranks are out of range for ``topology``.
@@ -127,6 +131,7 @@ class TransferAgent:
         secret: bytes | None = None,
         config: AgentConfig | None = None,
         clock: Clock | None = None,
+        on_event: Callable[[], None] | None = None,
     ) -> None:
         if not engine_id:
             raise ConfigError("engine_id must be a non-empty string")
@@ -136,7 +141,9 @@ class TransferAgent:
         self.global_rank = topology.global_rank(tp_rank, pp_rank)
         self.config = config or AgentConfig()
         self._clock = clock or MonotonicClock()
-        self.grants = GrantTable(self._clock, self.config.lease_s, 10 * self.config.lease_s)
+        self._on_event = on_event
+        self.grants = GrantTable(self._clock, self.config.lease_s, 10 * self.config.lease_s,
+                                 on_release=on_event)
         self._me = Identity(
             engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology)
         )
@@ -208,7 +215,8 @@ class TransferAgent:
             self._me, self._local, cfg, BufferPool(cfg.num_read_slots * cfg.window_chunks),
             executor,
         )
-        reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}")
+        reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}",
+                      on_outcome=self._on_event)
 
         async def on_connect(conn: UcxConnection) -> None:
             await serve_connection(server_ctx, conn)

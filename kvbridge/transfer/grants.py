@@ -39,8 +39,8 @@ only after a full 64-bit hash match, which a wrong guess practically never
 reaches. Guessing a live token succeeds with probability about 2**-128 per try.
 
 Thread safety: every public method takes one internal lock and does no I/O and
-no callbacks under it, so the agent's event loop thread and the connector's
-thread may both call the table.
+no callbacks under it (``on_release`` runs after it is let go), so the agent's
+event loop thread and the connector's thread may both call the table.
 
 Example::
 
@@ -61,13 +61,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import operator
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -164,6 +165,8 @@ class GrantTable:
         num_tombstones: how many released tokens to remember, so that a late
             read of an expired grant gets ``ExpiredGrantError`` and a late done
             report returns ``False`` instead of raising.
+        on_release: called (outside the lock, by the thread that caused it)
+            after a call queued a release for ``drain_released``.
 
     Raises:
         ConfigError: a lease is not finite and > 0, ``max_lease_s <
@@ -177,6 +180,7 @@ class GrantTable:
         max_lease_s: float,
         *,
         num_tombstones: int = 4096,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         _check_lease(default_lease_s)
         _check_lease(max_lease_s)
@@ -190,6 +194,8 @@ class GrantTable:
         self._default_lease_s = default_lease_s
         self._max_lease_s = max_lease_s
         self._num_tombstones = num_tombstones
+        self._on_release = on_release
+        self._num_releases = 0
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # token -> entry
         self._token_by_request: dict[str, str] = {}
@@ -302,7 +308,7 @@ class GrantTable:
         Raises:
             GrantError: no ``begin_read`` of this token is outstanding.
         """
-        with self._lock:
+        with self._releasing():
             entry = self._entries.get(token)
             if entry is None or entry.num_active_reads == 0:
                 raise GrantError(f"end_read of grant {_short(token)} without begin_read")
@@ -346,7 +352,7 @@ class GrantTable:
         """
         if num_expected_readers < 1:
             raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
-        with self._lock:
+        with self._releasing():
             entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
             if entry is None:
                 raise UnknownGrantError(f"no grant with token {_short(token)}")
@@ -395,7 +401,7 @@ class GrantTable:
         Returns:
             The releases this call queued (they also appear in ``drain_released``).
         """
-        with self._lock:
+        with self._releasing():
             now = self._clock.now() if now is None else now
             expired: list[Release] = []
             while self._expiry_heap and self._expiry_heap[0][0] <= now:
@@ -417,7 +423,7 @@ class GrantTable:
             True if this call decided the release; False if the request has no
             live grant or its release was already decided.
         """
-        with self._lock:
+        with self._releasing():
             token = self._token_by_request.get(request_id)
             if token is None:
                 return False
@@ -550,7 +556,7 @@ class GrantTable:
     def _report(self, token: str, reader_id: str, *, failed: bool) -> bool:
         if not reader_id:
             raise ConfigError("reader_id must be a non-empty string")
-        with self._lock:
+        with self._releasing():
             entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
             if entry is None:
                 if len(token) == TOKEN_LEN and token in self._tombstones:
@@ -571,7 +577,18 @@ class GrantTable:
             self._release(entry, "done")
         return True
 
+    @contextlib.contextmanager
+    def _releasing(self) -> Iterator[None]:
+        """The table's lock; then, outside it, ``on_release`` if a release was queued."""
+        with self._lock:
+            before = self._num_releases
+            yield
+            released = self._num_releases != before
+        if released and self._on_release is not None:
+            self._on_release()
+
     def _release(self, entry: _Entry, reason: ReleaseReason) -> Release:
+        self._num_releases += 1
         g = entry.grant
         del self._entries[g.token]
         del self._token_by_request[g.request_id]

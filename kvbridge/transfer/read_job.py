@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbridge.errors import KVBridgeError
@@ -108,8 +109,12 @@ class TransferStats:
 class Reads:
     """Jobs in flight and their outcomes (see the module docstring)."""
 
-    def __init__(self, ctx: ReaderContext, worker: UcxWorker, reader_id: str) -> None:
+    def __init__(
+        self, ctx: ReaderContext, worker: UcxWorker, reader_id: str,
+        on_outcome: Callable[[], None] | None = None,
+    ) -> None:
         self._ctx = ctx
+        self._on_outcome = on_outcome
         self._worker = worker
         self.reader_id = reader_id
         self._links: dict[tuple[str, int], PeerLink] = {}
@@ -330,6 +335,8 @@ class Reads:
                 self._failed[job.request_id] = set(job.local_block_ids[first_block:])
             self._stats.append(stats)
             self._outcome.notify_all()
+        if self._on_outcome is not None:
+            self._on_outcome()
 
     def abort_all(self) -> None:
         """Cancel every job and drop every link without goodbyes."""

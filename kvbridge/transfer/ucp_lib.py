@@ -1,13 +1,12 @@
 """ctypes bindings of the libucp calls kvbridge makes itself, and their requests.
 
-ucxx lacks RMA and IOV tag messages; and for the hot path (control frames,
+ucxx lacks IOV tag messages; and for the hot path (control frames,
 progress) a direct call is several times cheaper than ucxx's wrappers. Every
 call releases the GIL (``CDLL``): it may wait for the worker's lock, which
 UCX's own thread can hold while it calls into Python (ucxx's listener
 callback) — holding the GIL here would deadlock the process.
 
-Shared by :mod:`kvbridge.transfer.rma` (one-sided put/get),
-:mod:`kvbridge.transfer.iov` (tagged messages gathered from / scattered into
+Shared by :mod:`kvbridge.transfer.iov` (tagged messages gathered from / scattered into
 lists of memory ranges) and :mod:`kvbridge.transfer.ucx` (tagged control
 frames, progress). Every function here runs on the handles ucxx created, in the
 same libucp ucxx loaded.
@@ -23,14 +22,9 @@ from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferErr
 
 __all__ = [
     "DATATYPE_IOV",
-    "MEMORY_TYPE_HOST",
     "OP_DATATYPE",
-    "OP_MEMH",
-    "OP_MEMORY_TYPE",
     "UCS_INPROGRESS",
     "UCS_OK",
-    "IovEntry",
-    "MemMapParams",
     "RequestParam",
     "TagRecvInfo",
     "UcpError",
@@ -42,9 +36,8 @@ __all__ = [
 UCS_OK, UCS_INPROGRESS = 0, 1
 UCS_ERR_LAST = -100
 UCS_ERR_MESSAGE_TRUNCATED, UCS_ERR_CANCELED = -9, -16
-MEMORY_TYPE_HOST = 0
 # ucp_request_param_t op_attr_mask bits
-OP_DATATYPE, OP_MEMORY_TYPE, OP_MEMH = 1 << 3, 1 << 6, 1 << 8
+OP_DATATYPE = 1 << 3
 DATATYPE_IOV = 2  # ucp_dt_make_iov()
 
 
@@ -60,28 +53,10 @@ class UcpError(TransferError):
         self.status = status
 
 
-class IovEntry(ctypes.Structure):
-    """``ucp_dt_iov_t``: one memory range of an IOV datatype."""
-
-    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
 class TagRecvInfo(ctypes.Structure):
     """``ucp_tag_recv_info_t``: what a completed tagged receive got."""
 
     _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
-
-
-class MemMapParams(ctypes.Structure):
-    _fields_ = [
-        ("field_mask", ctypes.c_uint64),
-        ("address", ctypes.c_void_p),
-        ("length", ctypes.c_size_t),
-        ("flags", ctypes.c_uint),
-        ("prot", ctypes.c_uint),
-        ("memory_type", ctypes.c_int),
-        ("exported_memh_buffer", ctypes.c_void_p),
-    ]
 
 
 class RequestParam(ctypes.Structure):
@@ -133,18 +108,6 @@ class UcpLibrary:
         ucp = ctypes.CDLL(ucp_path or _find_library("libucp"))
         ucs = ctypes.CDLL(_find_library("libucs"))
         ptr = ctypes.POINTER
-        self.mem_map = _fn(ucp.ucp_mem_map, st, vp, ptr(MemMapParams), ptr(vp))
-        self.mem_unmap = _fn(ucp.ucp_mem_unmap, st, vp, vp)
-        # ucp_rkey_pack, not ucp_memh_pack: the latter packs only exported handles
-        # and aborts the process when asked for a plain remote key.
-        self.rkey_pack = _fn(ucp.ucp_rkey_pack, st, vp, vp, ptr(vp), ptr(sz))
-        self.rkey_buffer_release = _fn(ucp.ucp_rkey_buffer_release, None, vp)
-        self.rkey_unpack = _fn(ucp.ucp_ep_rkey_unpack, st, vp, vp, ptr(vp))
-        self.rkey_destroy = _fn(ucp.ucp_rkey_destroy, None, vp)
-        rma_args = (vp, vp, sz, u64, vp, ptr(RequestParam))
-        self.put_nbx = _fn(ucp.ucp_put_nbx, vp, *rma_args)
-        self.get_nbx = _fn(ucp.ucp_get_nbx, vp, *rma_args)
-        self.ep_flush_nbx = _fn(ucp.ucp_ep_flush_nbx, vp, vp, ptr(RequestParam))
         tag_args = (vp, vp, sz, u64)
         self.tag_send_nbx = _fn(ucp.ucp_tag_send_nbx, vp, *tag_args, ptr(RequestParam))
         self.tag_recv_nbx = _fn(ucp.ucp_tag_recv_nbx, vp, *tag_args, u64, ptr(RequestParam))

@@ -245,3 +245,30 @@ def test_malformed_params_mean_local_prefill(engines: dict[str, LLMEngine],
     (out,) = d.generate([PROMPTS[1]], GREEDY,
                         kv_transfer_params=[{"do_remote_prefill": True, "remote_port": "x"}])
     assert out.new_token_ids == reference[1] and out.num_remote_tokens == 0
+
+
+def test_ended_loads_and_releases_wake_the_engines(engines: dict[str, LLMEngine],
+                                                   reference: list[list[int]]) -> None:
+    """D's workers wake D when its load ends, P's wake P when the grant is released;
+    nothing else sets the flags in between (the test steps by hand, so a ``True``
+    from ``wait`` is the workers' doing)."""
+    p, d = engines["b"], engines["d"]  # TP 2 on both sides: every rank reports
+    d.manager.reset_prefix_cache()
+    [first] = p.generate([LONG], FIRST, kv_transfer_params=[{"do_remote_decode": True}])
+    p.wakeup.clear()
+    d.wakeup.clear()
+    d.add_request("wake", LONG, GREEDY, first.kv_transfer_params)
+    d.step()  # starts the load on every D rank
+    assert d.wakeup.wait(20.0), "no wake-up from D's workers after the load"
+    assert p.wakeup.wait(20.0), "no wake-up from P's workers after the readers' reports"
+    tokens: list[int] = []
+    deadline = time.monotonic() + 60
+    while not tokens or len(tokens) < MAX_TOKENS:
+        assert time.monotonic() < deadline, "D did not finish after its wake-up"
+        for out in d.step():
+            tokens += out.new_token_ids
+        if d.last_step_num_tokens == 0:
+            d.wakeup.clear()
+            d.wakeup.wait(0.05)
+    assert tokens == reference[PROMPTS.index(LONG)]
+    settle(p, d)

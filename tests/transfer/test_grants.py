@@ -470,3 +470,39 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
     num_released = stats.num_released_done + stats.num_released_expired
     assert num_released + stats.num_released_revoked == stats.num_issued == len(models)
     table.check_integrity()
+
+
+def test_on_release_runs_after_every_call_that_queued_a_release() -> None:
+    """Once per releasing call, never for a call that released nothing, and outside
+    the lock (the callback may use the table)."""
+    seen: list[int] = []
+    clock = ManualClock(1000.0)
+    table = GrantTable(clock, DEFAULT_LEASE_S, MAX_LEASE_S,
+                       on_release=lambda: seen.append(len(table.drain_released())))
+    done = table.issue("done", [1], num_expected_readers=2)
+    table.reader_done(done.token, "d:0")
+    assert seen == []
+    table.reader_done(done.token, "d:1")
+    assert seen == [1]
+    pinned = table.issue("pinned", [2], num_expected_readers=1)
+    table.begin_read(pinned.token, [2])
+    table.reader_done(pinned.token, "d:0")  # decided, deferred: the read is in flight
+    assert seen == [1]
+    table.end_read(pinned.token)
+    assert seen == [1, 1]
+    late = table.issue("late", [3], num_expected_readers=None)
+    table.reader_done(late.token, "d:0")
+    table.set_expected_readers(late.token, 1)
+    assert seen == [1, 1, 1]
+    table.issue("expiring", [4], num_expected_readers=1)
+    table.issue("revoked", [5], num_expected_readers=1)
+    table.expire()
+    assert seen == [1, 1, 1]
+    assert table.revoke("revoked") is True
+    assert seen == [1, 1, 1, 1]
+    clock.advance(DEFAULT_LEASE_S)
+    table.expire()
+    assert seen == [1, 1, 1, 1, 1]
+    assert table.revoke("revoked") is False and table.expire() == []
+    assert seen == [1, 1, 1, 1, 1]
+    table.check_integrity()
