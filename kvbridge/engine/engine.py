@@ -99,6 +99,7 @@ class LLMEngine:
             connector_scheduler, extension, extension_config = connector_host.build(config)
         # Set by workers when a transfer ends between steps (see AsyncEngine).
         self.wakeup = Wakeup()
+        self._wakeup_sender = self.wakeup.sender()  # the workers' copy of the write end
         try:
             self.workers = WorkerGroup(WorkerGroupConfig(
                 model=model,
@@ -114,8 +115,9 @@ class LLMEngine:
                 extension_config=extension_config,
                 in_process=config.in_process,
                 step_timeout_s=config.step_timeout_s,
-            ), notify=self.wakeup.sender())
+            ), notify=self._wakeup_sender)
         except BaseException:
+            self._wakeup_sender.close()
             self.wakeup.close()
             raise
         self.connector = connector_scheduler
@@ -323,6 +325,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (and their connector workers). Idempotent."""
         self.workers.shutdown()
+        self._wakeup_sender.close()
         self.wakeup.close()
 
     def __enter__(self) -> LLMEngine:

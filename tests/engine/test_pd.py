@@ -263,7 +263,7 @@ def test_ended_loads_and_releases_wake_the_engines(engines: dict[str, LLMEngine]
     assert p.wakeup.wait(20.0), "no wake-up from P's workers after the readers' reports"
     tokens: list[int] = []
     deadline = time.monotonic() + 60
-    while not tokens or len(tokens) < MAX_TOKENS:
+    while len(tokens) < MAX_TOKENS:
         assert time.monotonic() < deadline, "D did not finish after its wake-up"
         for out in d.step():
             tokens += out.new_token_ids
