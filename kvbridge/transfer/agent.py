@@ -143,7 +143,7 @@ class TransferAgent:
         self._clock = clock or MonotonicClock()
         self._on_event = on_event
         self.grants = GrantTable(self._clock, self.config.lease_s, 10 * self.config.lease_s,
-                                 on_release=on_event)
+                                 on_release=self._released)
         self._me = Identity(
             engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology)
         )
@@ -156,6 +156,14 @@ class TransferAgent:
         self._lock = threading.Lock()
         self._closed = False
         self.port = 0
+
+    def _released(self) -> None:
+        """A grant was released: its owner (another thread) will come for it."""
+        running = self._running
+        if running is not None:
+            running.worker.stop_spinning()
+        if self._on_event is not None:
+            self._on_event()
 
     # ---------------------------------------------------------------- lifecycle
     def register_kv_caches(self, layer_caches: Sequence[torch.Tensor]) -> None:

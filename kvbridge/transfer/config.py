@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvbridge.errors import ConfigError
@@ -159,6 +161,28 @@ class LocalKV:
         # One block of one layer: the MLA latent rows, or its K plane plus its V plane.
         plane_numel = first[0].numel() if topology.is_mla else 2 * first[0, 0].numel()
         self.block_nbytes = plane_numel * self.elem_nbytes
+        # (layers.start, layers.stop, planes) -> (the tensors' addresses, plane_origins)
+        self._origins: dict[tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64]]] = {}
+
+    def plane_origins(self, layers: slice, num_planes: int) -> npt.NDArray[np.uint64]:
+        """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``.
+
+        Read from the tensors on every call (a storage can move in place:
+        ``share_memory_``, or pickling a tensor to another process, does that);
+        only the array is cached, for as long as the addresses stay the same.
+        """
+        pointers = tuple(layer.data_ptr() for layer in self.layers[layers])
+        key = (layers.start, layers.stop, num_planes)
+        cached = self._origins.get(key)
+        if cached is not None and cached[0] == pointers:
+            return cached[1]
+        plane_nbytes = self.num_blocks * self.plane_block_nbytes
+        origins = (np.array(pointers, dtype=np.uint64)[:, None]
+                   + np.arange(num_planes, dtype=np.uint64)[None, :] * np.uint64(plane_nbytes))
+        origins = origins.reshape(-1)
+        origins.flags.writeable = False
+        self._origins[key] = (pointers, origins)
+        return origins
 
     @property
     def plane_block_nbytes(self) -> int:

@@ -72,18 +72,22 @@ def block_ranges(
 ) -> npt.NDArray[np.uint64]:
     """The ``ucp_dt_iov_t`` ranges of ``span`` in ``block_ids`` of ``layers`` (stream order).
 
+    Ranges of adjacent blocks are merged (``iov_array``) when the ids hold a run
+    of consecutive blocks; scattered ids, the usual case, skip that pass.
+
     Args:
         local: the rank's caches (for the strides).
         block_ids: this rank's block ids, in the read's order (checked by the caller).
         layers: which of the rank's layers, in the read's order.
         span: the heads' run inside a block plane (``head_span``).
     """
-    block_nbytes = local.plane_block_nbytes
-    # Read the addresses now, not at registration: a tensor's storage can move in
-    # place (share_memory_, or pickling one to another process, does that).
-    bases = np.array([layer.data_ptr() for layer in local.layers[layers]], dtype=np.uint64)
-    planes = np.arange(num_planes(local), dtype=np.uint64) * np.uint64(
-        local.num_blocks * block_nbytes)
-    blocks = block_ids.astype(np.uint64) * np.uint64(block_nbytes) + np.uint64(span.offset)
-    addresses = bases[:, None, None] + planes[None, :, None] + blocks[None, None, :]
-    return iov_array(addresses.reshape(-1), np.full(addresses.size, span.nbytes, np.uint64))
+    origins = local.plane_origins(layers, num_planes(local))
+    blocks = block_ids.astype(np.uint64) * np.uint64(local.plane_block_nbytes)
+    blocks += np.uint64(span.offset)
+    if blocks.size > 1 and bool((np.diff(block_ids) == 1).any()):
+        addresses = origins[:, None] + blocks[None, :]
+        return iov_array(addresses.reshape(-1), np.full(addresses.size, span.nbytes, np.uint64))
+    out = np.empty((origins.size * blocks.size, 2), dtype=np.uint64)
+    np.add(origins[:, None], blocks[None, :], out=out[:, 0].reshape(origins.size, blocks.size))
+    out[:, 1] = span.nbytes
+    return out

@@ -13,6 +13,11 @@ one remote engine::
 A notify-only job (``ReadJob.notify_only``) plans the same way but only sends
 ``ReadDone`` to every planned rank; it has no outcome to collect.
 
+When the job's plan is cached, has one item and its link is live (every read
+from a peer after the first, with TP alike or D's TP a multiple of P's),
+``submit`` begins that read on the spot: receives posted and request sent
+before the job's task first runs; the task only awaits it.
+
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
 
@@ -45,7 +50,7 @@ from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer import wire
 from kvbridge.transfer.config import topology_of
 from kvbridge.transfer.errors import RejectedError, TransferError
-from kvbridge.transfer.reader import ItemResult, PeerLink, ReaderContext
+from kvbridge.transfer.reader import BegunRead, ItemResult, PeerLink, ReaderContext
 from kvbridge.transfer.ucx import UcxWorker
 
 logger = logging.getLogger(__name__)
@@ -151,9 +156,33 @@ class Reads:
 
     # ---------------------------------------------------------------- loop thread
     def submit(self, job: ReadJob) -> None:
-        task = asyncio.create_task(self._run(job))
+        cached = self._cached_links(job.engine_id)  # before begin: it may kill a link
+        started = self._begin_at_once(job)
+        task = asyncio.create_task(self._run(job, cached, started))
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
+
+    def _begin_at_once(self, job: ReadJob) -> tuple[PeerLink, BegunRead] | None:
+        """Begin the read now, before its task first runs, if nothing needs awaiting.
+
+        The common case (a one-item plan over a live cached link) then has its
+        receives posted and its request on the wire one event-loop pass sooner.
+        None: the task does everything, as for any other job.
+        """
+        first = self._links.get((job.engine_id, 0))
+        plan = self._plans.get(first) if first is not None and first.alive else None
+        if job.notify_only or plan is None or len(plan.items) != 1 or not plan.items[0].read:
+            return None
+        item = plan.items[0]
+        link = self._links.get((job.engine_id, item.remote_rank))
+        if link is None or not link.alive:
+            return None
+        try:
+            begun = link.begin(item, job.grant, job.remote_block_ids, job.local_block_ids,
+                               job.num_tokens, job.first_token, job.prompt_digest)
+        except (TransferError, KVBridgeError):  # the task runs it again and reports
+            return None
+        return link, begun
 
     async def _link(self, job: ReadJob, rank: int) -> PeerLink:
         key = (job.engine_id, rank)
@@ -173,15 +202,17 @@ class Reads:
         self._links[key] = link
         return link
 
-    async def _run(self, job: ReadJob) -> None:
+    async def _run(
+        self, job: ReadJob, cached: dict[tuple[str, int], tuple[PeerLink, int]],
+        started: tuple[PeerLink, BegunRead] | None,
+    ) -> None:
         results: list[ItemResult] = []
         errors: list[BaseException] = []
         num_ranks = 0
         try:
             async with asyncio.timeout(self._ctx.config.read_timeout_s):
-                cached = self._cached_links(job.engine_id)
                 try:
-                    num_ranks, outcomes = await self._attempt(job)
+                    num_ranks, outcomes = await self._attempt(job, started)
                 except (TransferError, KVBridgeError) as exc:  # planning failed
                     outcomes = [exc]
                 if self._drop_stale(job, cached, outcomes):
@@ -196,10 +227,23 @@ class Reads:
         except Exception as exc:  # a bug must still end the request, never hang it
             logger.exception("read %s crashed", job.request_id)
             errors.append(exc)
+        finally:
+            if started is not None:  # cancelled before it was awaited: let go of it
+                started[0].abandon(started[1])
         self._record(job, results, errors, num_ranks)
 
-    async def _attempt(self, job: ReadJob) -> tuple[int, list[ItemResult | None | BaseException]]:
-        """Plan from rank 0's metadata and run every item: ``(num_ranks, outcomes)``."""
+    async def _attempt(
+        self, job: ReadJob, started: tuple[PeerLink, BegunRead] | None = None
+    ) -> tuple[int, list[ItemResult | None | BaseException]]:
+        """Plan from rank 0's metadata and run every item: ``(num_ranks, outcomes)``.
+
+        ``started``: the job's only item, begun by ``submit`` (its plan is cached).
+        """
+        if started is not None:
+            try:
+                return 1, [await self._run_item(job, started[1].item, started)]
+            except Exception as exc:  # what gather(return_exceptions=True) would collect
+                return 1, [exc]
         first = await self._link(job, 0)
         plan = self._plans.get(first)  # a link's metadata never changes: plan once
         if plan is None:
@@ -252,8 +296,10 @@ class Reads:
                 del self._links[key]
         return True
 
-    async def _run_item(self, job: ReadJob, item: RemoteRead) -> ItemResult | None:
-        link = await self._link(job, item.remote_rank)
+    async def _run_item(
+        self, job: ReadJob, item: RemoteRead, started: tuple[PeerLink, BegunRead] | None = None
+    ) -> ItemResult | None:
+        link = started[0] if started is not None else await self._link(job, item.remote_rank)
         if job.notify_only or not item.read:
             await link.notify(job.grant, self.reader_id, job.ok)
             return None
@@ -264,10 +310,13 @@ class Reads:
             lambda: renewer.append(asyncio.create_task(self._renew_while_reading(link, job.grant))),
         )
         try:
-            result = await link.read(
-                item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
-                job.first_token, job.prompt_digest,
-            )
+            if started is None:
+                result = await link.read(
+                    item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
+                    job.first_token, job.prompt_digest,
+                )
+            else:
+                result = await link.finish(started[1])
         except BaseException:
             if link.alive:
                 with contextlib.suppress(TransferError):
@@ -335,6 +384,8 @@ class Reads:
                 self._failed[job.request_id] = set(job.local_block_ids[first_block:])
             self._stats.append(stats)
             self._outcome.notify_all()
+        # The outcome is for another thread of this process: let it have the GIL.
+        self._worker.stop_spinning()
         if self._on_outcome is not None:
             self._on_outcome()
 

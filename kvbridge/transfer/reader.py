@@ -256,12 +256,36 @@ class PeerLink:
         Tokens ``[first_token, first_token + num_tokens)`` are read; the remote
         blocks covering them are sent whole and the tokens before ``first_token``
         in the first of them are skipped on unpack (see ``_TokenWindow``). When
-        both caches store the blocks alike, the read is direct (``_read_direct``).
+        both caches store the blocks alike, the read is direct (``_begin_direct``).
+        Same as ``finish(begin(...))``.
 
         Raises:
+            ConfigError: the remote block ids do not cover the tokens.
             RejectedError: the server refused the read (grant unknown/expired, ...).
             ProtocolError: the server's sizes disagree with ours (link killed).
             PeerTimeoutError, PeerClosedError: the server went silent or away.
+        """
+        begun = self.begin(item, grant, remote_block_ids, local_block_ids, num_tokens,
+                           first_token, prompt_digest)
+        return await self.finish(begun)
+
+    def begin(
+        self,
+        item: RemoteRead,
+        grant: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        num_tokens: int,
+        first_token: int = 0,
+        prompt_digest: bytes = b"",
+    ) -> BegunRead:
+        """The part of ``read`` that needs no waiting; pass the result to ``finish``.
+
+        A direct read is under way when this returns (receives posted, request
+        sent). Whoever calls ``begin`` must call ``finish`` or ``abandon``.
+
+        Raises:
+            ConfigError, TransferError: as ``read``.
         """
         ctx, meta = self._ctx, self.meta
         wire_fmt = WireFormat(
@@ -285,9 +309,20 @@ class PeerLink:
             prompt_digest=prompt_digest,
         )
         local_span = self._direct_span(item, tokens)
+        begun = BegunRead(item, request, wire_fmt, tokens, local_block_ids)
         if local_span is not None:
             local_ids = local_block_ids[tokens.first_local_block :][:num_blocks]
-            return await self._read_direct(request, item, local_ids, local_span)
+            begun.direct = self._begin_direct(request, item, local_ids, local_span)
+        return begun
+
+    async def finish(self, begun: BegunRead) -> ItemResult:
+        """Wait for a begun read to land (and unpack it); the rest of ``read``."""
+        if begun.direct is not None:
+            return await self._finish_direct(begun.direct)
+        ctx = self._ctx
+        item, request, wire_fmt, tokens = begun.item, begun.request, begun.wire_fmt, begun.tokens
+        xfer_id, chunk_blocks = request.xfer_id, request.chunk_blocks
+        num_blocks = len(request.block_ids)
         num_chunks = math.ceil(num_blocks / chunk_blocks)
         header = await self._request(("data", xfer_id), request)
         assert isinstance(header, wire.DataHeader)
@@ -303,7 +338,7 @@ class PeerLink:
         bufs = await ctx.pool.acquire(chunk_nbytes, window, timeout_s=ctx.config.chunk_timeout_s)
         receiver = _ChunkReceiver(self, ctx, xfer_id, wire_fmt, bufs, num_blocks, chunk_blocks)
         try:
-            await receiver.run(item, local_block_ids, tokens)
+            await receiver.run(item, begun.local_block_ids, tokens)
         except BaseException:
             receiver.give_back(broken=True)
             raise
@@ -327,11 +362,11 @@ class PeerLink:
         local_span = head_span(local, item.local_head_offset, item.local_head_offset + len(heads))
         return local_span if remote_run else None
 
-    async def _read_direct(
+    def _begin_direct(
         self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
         span: HeadSpan,
-    ) -> ItemResult:
-        """Receive the item's blocks straight into ours: post receives, ask, await chunks."""
+    ) -> _DirectRead:
+        """Start receiving the item's blocks straight into ours: post receives, ask."""
         ctx = self._ctx
         layers = slice(item.local_layers.start, item.local_layers.stop)
         per_block = len(item.local_layers) * num_planes(ctx.local)
@@ -349,31 +384,52 @@ class PeerLink:
         key = ("data", request.xfer_id)
         refusal: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
         self._waiters[key] = refusal
-        arrivals: list[asyncio.Future[None]] = []
-        landed = 0
+        result = ItemResult(ids.size * per_block * span.nbytes, 1 + num_chunks, direct=True)
+        direct = _DirectRead(key, refusal, [], channels, result)
         try:
-            arrivals.append(post(0))
+            direct.arrivals.append(post(0))
             # Ask once the first chunk's receive is posted and post the others while
             # the server prepares: each lands long after the one before it.
             self._post(request)
-            arrivals.extend(post(chunk) for chunk in range(1, num_chunks))
-            for arrived in arrivals:
-                await self._chunk_or_refusal(arrived, refusal)
-                landed += 1
+            direct.arrivals.extend(post(chunk) for chunk in range(1, num_chunks))
         except BaseException as exc:
-            for arrived in arrivals:
-                arrived.add_done_callback(_ignore_outcome)
-            if isinstance(exc, RejectedError) and self.alive:  # nothing was sent: unpost
-                for channel in channels[landed : len(arrivals)]:
-                    self._conn.cancel_recv(channel)
-            else:  # bytes may still be landing in our blocks: the link is done
-                self._fail(exc if isinstance(exc, TransferError) else
-                           PeerClosedError("direct read abandoned with receives posted"))
+            self._settle(direct, exc)
             raise
-        finally:
-            self._waiters.pop(key, None)
-        nbytes = ids.size * per_block * span.nbytes
-        return ItemResult(nbytes, 1 + num_chunks, direct=True)
+        return direct
+
+    async def _finish_direct(self, direct: _DirectRead) -> ItemResult:
+        """Await the chunks of a begun direct read (or the server's refusal)."""
+        try:
+            for arrived in direct.arrivals[direct.landed :]:
+                await self._chunk_or_refusal(arrived, direct.refusal)
+                direct.landed += 1
+        except BaseException as exc:
+            self._settle(direct, exc)
+            raise
+        self._settle(direct, None)
+        return direct.result
+
+    def _settle(self, direct: _DirectRead, error: BaseException | None) -> None:
+        """End a direct read once: on failure unpost what is left, or give up the link."""
+        if direct.settled:
+            return
+        direct.settled = True
+        self._waiters.pop(direct.key, None)
+        if error is None:
+            return
+        for arrived in direct.arrivals:
+            arrived.add_done_callback(_ignore_outcome)
+        if isinstance(error, RejectedError) and self.alive:  # nothing was sent: unpost
+            for channel in direct.channels[direct.landed : len(direct.arrivals)]:
+                self._conn.cancel_recv(channel)
+        else:  # bytes may still be landing in our blocks: the link is done
+            self._fail(error if isinstance(error, TransferError) else
+                       PeerClosedError("direct read abandoned with receives posted"))
+
+    def abandon(self, begun: BegunRead) -> None:
+        """Give up a begun read that will never be finished (its job was cancelled)."""
+        if begun.direct is not None:
+            self._settle(begun.direct, PeerClosedError("read abandoned before it was awaited"))
 
     async def _chunk_or_refusal(
         self, arrived: asyncio.Future[None], refusal: asyncio.Future[wire.Message]
@@ -406,6 +462,31 @@ class PeerLink:
         if self._error is None:
             self._error = PeerClosedError("link closed locally")
         await self._conn.close(self._ctx.codec.encode(wire.Bye("closing")), timeout_s=0.5)
+
+
+@dataclass(slots=True)
+class _DirectRead:
+    """A direct read under way: its receives, the server's possible refusal, progress."""
+
+    key: tuple[str, int]  # of the refusal in the link's waiters
+    refusal: asyncio.Future[wire.Message]
+    arrivals: list[asyncio.Future[None]]  # one per chunk, in order
+    channels: list[int]
+    result: ItemResult
+    landed: int = 0
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class BegunRead:
+    """What ``PeerLink.begin`` prepared (and, for a direct read, started)."""
+
+    item: RemoteRead
+    request: wire.ReadRequest
+    wire_fmt: WireFormat
+    tokens: _TokenWindow
+    local_block_ids: Sequence[int]
+    direct: _DirectRead | None = None
 
 
 class _TokenWindow:

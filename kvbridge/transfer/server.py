@@ -14,6 +14,11 @@ Serving one read (``ReadRequest`` with a grant)::
     buffer, pack (executor thread), send on channel (xfer_id, i)
     -> grants.end_read
 
+A direct read (block memory to block memory) of a grant already issued, the
+usual case, is served without a task: the dispatcher checks it and posts every
+chunk as it decodes the request (``_start_direct``); callbacks unpin the grant
+when the sends end or their deadline passes (``_DirectSends``).
+
 The engine hands the grant token to D before its workers have issued it (the
 token travels in the HTTP answer while the next engine step issues it), so a
 read or done report naming an unknown token waits up to ``grant_wait_s`` for it.
@@ -34,8 +39,10 @@ import logging
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvbridge.errors import ConfigError
@@ -46,7 +53,7 @@ from kvbridge.transfer import wire
 from kvbridge.transfer.clock import Clock
 from kvbridge.transfer.config import AgentConfig, LocalKV, topology_from_info
 from kvbridge.transfer.direct import MAX_RANGES_PER_CHUNK, block_ranges, head_span, num_planes
-from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
+from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError, TransferError
 from kvbridge.transfer.grants import GrantTable
 from kvbridge.transfer.handshake import Identity, recv_msg, reject, send_msg, serve_handshake
 from kvbridge.transfer.iov import post_send_iov
@@ -57,6 +64,7 @@ from kvbridge.transfer.ucx import UcxConnection
 logger = logging.getLogger(__name__)
 
 R = wire.RejectReason
+IovArray = npt.NDArray[np.uint64]  # ucp_dt_iov_t[n] (iov.iov_array)
 _GRANT_POLL_S = 0.05  # a fallback: issue_grant wakes waiters at once
 _GRANT_REASONS: list[tuple[type[Exception], wire.RejectReason]] = [
     (grant_errors.ExpiredGrantError, R.EXPIRED_GRANT),
@@ -201,9 +209,12 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     if msg.xfer_id in reads:
                         raise ProtocolError(f"xfer id {msg.xfer_id} reused while in flight")
                     reads[msg.xfer_id] = _Read()
-                    task = asyncio.create_task(_serve_read(ctx, conn, msg, reads, num_readers))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    if not _start_direct(ctx, conn, msg, reads, num_readers):
+                        task = asyncio.create_task(
+                            _serve_read(ctx, conn, msg, reads, num_readers)
+                        )
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
                 case wire.Credit(xfer_id=xfer_id, num_chunks=num_chunks):
                     if xfer_id in reads:  # else: a read that already failed
                         reads[xfer_id].grant_credit(num_chunks)
@@ -374,36 +385,148 @@ async def _send_chunks(
     ctx.num_bytes_served += num_blocks * block_nbytes
 
 
+def _start_direct(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, reads: dict[int, _Read],
+    num_readers: int,
+) -> bool:
+    """Serve a direct read at once, without a task, if nothing about it needs waiting.
+
+    The common case: a good request naming a grant this table already knows.
+    Posts every chunk now and finishes in ``_DirectSends`` callbacks. Returns
+    False, having changed nothing, when ``_serve_read`` must take the request
+    (not direct, a test delay, a problem to reject, a grant to wait for or to
+    refuse); that path checks everything again and answers.
+    """
+    if not req.direct or ctx.config.test_chunk_delay_s:
+        return False
+    if _check_request(ctx.local, req, 4 * ctx.config.chunk_nbytes) is not None:
+        return False
+    token = ctx.aliases.get(req.grant, req.grant)
+    if not ctx.grants.is_known(token):
+        return False
+    with contextlib.suppress(grant_errors.GrantError):
+        ctx.grants.set_expected_readers(token, num_readers)
+    try:
+        grant = ctx.grants.begin_read(token, req.block_ids)
+    except grant_errors.GrantError:
+        return False
+    if grant.prompt_digest is not None and not hmac.compare_digest(
+        grant.prompt_digest, req.prompt_digest
+    ):
+        ctx.grants.end_read(token)
+        return False
+    _DirectSends(ctx, conn, req, token, reads)
+    return True
+
+
+class _DirectSends:
+    """One direct read served by callbacks: chunks posted, then one deadline for all.
+
+    Ends exactly once, by the sends completing or failing or by the deadline
+    (``chunk_timeout_s`` per chunk, which aborts the connection); then the grant
+    is unpinned and the read forgotten.
+    """
+
+    def __init__(
+        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, token: str,
+        reads: dict[int, _Read],
+    ) -> None:
+        self._ctx, self._conn, self._req, self._token, self._reads = ctx, conn, req, token, reads
+        self._ended = False
+        self._timer: asyncio.TimerHandle | None = None
+        sends: list[asyncio.Future[None]] = []
+        try:
+            for channel, iov in _direct_chunks(ctx.local, req):
+                sends.append(_post_chunk(ctx, conn, iov, channel))
+        except Exception as exc:  # UCX refused (typed), or a bug: this read fails, alone
+            if not isinstance(exc, TransferError):
+                logger.exception("direct read %d for %s crashed", req.xfer_id, conn.peer)
+            for sent in sends:
+                sent.add_done_callback(_ignore_outcome)
+            self._end(exc)
+            return
+        all_sent: asyncio.Future[Any] = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
+        all_sent.add_done_callback(self._sent)
+        self._timer = asyncio.get_running_loop().call_later(
+            ctx.config.chunk_timeout_s * len(sends), self._late
+        )
+
+    def _sent(self, all_sent: asyncio.Future[Any]) -> None:
+        if all_sent.cancelled():
+            self._end(PeerClosedError("iov send cancelled"))
+        else:
+            self._end(all_sent.exception())
+
+    def _late(self) -> None:
+        self._end(PeerTimeoutError(f"iov send to {self._conn.peer}: no completion in time"))
+
+    def _end(self, error: BaseException | None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+        ctx, req = self._ctx, self._req
+        if error is None:
+            ctx.num_bytes_served += _direct_nbytes(ctx.local, req)
+            ctx.num_reads_served += 1
+        else:
+            logger.info("read %d for %s failed: %s", req.xfer_id, self._conn.peer, error)
+            self._conn.abort()  # the reader may hold posted receives for chunks we never send
+        ctx.grants.end_read(self._token)
+        self._reads.pop(req.xfer_id, None)
+
+
+def _direct_chunks(local: LocalKV, req: wire.ReadRequest) -> list[tuple[int, IovArray]]:
+    """``(channel, iov)`` of each chunk of a direct read, in order."""
+    span = head_span(local, req.head_start, req.head_end)
+    assert span is not None  # _check_request
+    layers = slice(req.layer_start, req.layer_end)
+    ids = np.asarray(req.block_ids, dtype=np.int64)
+    chunks = []
+    for chunk in range(math.ceil(ids.size / req.chunk_blocks)):
+        chunk_ids = ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
+        iov = block_ranges(local, chunk_ids, layers, span)
+        chunks.append((channel_of(req.xfer_id, chunk), iov))
+    return chunks
+
+
+def _post_chunk(
+    ctx: ServerContext, conn: UcxConnection, iov: IovArray, channel: int
+) -> asyncio.Future[None]:
+    ctx.num_data_bytes_sent += int(iov[:, 1].sum())
+    return post_send_iov(ctx.ucp, conn, iov, channel)
+
+
+def _direct_nbytes(local: LocalKV, req: wire.ReadRequest) -> int:
+    span = head_span(local, req.head_start, req.head_end)
+    assert span is not None  # _check_request
+    num_layers = req.layer_end - req.layer_start
+    return len(req.block_ids) * num_layers * num_planes(local) * span.nbytes
+
+
 async def _send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest) -> None:
     """Send each chunk as one message straight from the cache blocks (see ``direct.py``).
 
     Every chunk is posted at once (the reader posted the first chunk's receive
     before asking and posts the others right after, long before they land), then
-    awaited under one deadline of ``chunk_timeout_s`` per chunk.
+    awaited under one deadline of ``chunk_timeout_s`` per chunk. ``_start_direct``
+    is the same without a task; this one waits for grants and honours the test delay.
     """
-    cfg, local = ctx.config, ctx.local
-    span = head_span(local, req.head_start, req.head_end)
-    assert span is not None  # _check_request
-    layers = slice(req.layer_start, req.layer_end)
-    ids = np.asarray(req.block_ids, dtype=np.int64)
-    num_chunks = math.ceil(ids.size / req.chunk_blocks)
+    cfg = ctx.config
     sends: list[asyncio.Future[None]] = []
     try:
-        for chunk in range(num_chunks):
+        for channel, iov in _direct_chunks(ctx.local, req):
             if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
                 await asyncio.sleep(cfg.test_chunk_delay_s)
-            chunk_ids = ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
-            iov = block_ranges(local, chunk_ids, layers, span)
-            ctx.num_data_bytes_sent += int(iov[:, 1].sum())
-            sends.append(post_send_iov(ctx.ucp, conn, iov, channel_of(req.xfer_id, chunk)))
+            sends.append(_post_chunk(ctx, conn, iov, channel))
         all_sent = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
-        await conn.wait(all_sent, timeout_s=cfg.chunk_timeout_s * num_chunks, what="iov send")
+        await conn.wait(all_sent, timeout_s=cfg.chunk_timeout_s * len(sends), what="iov send")
     finally:
         for sent in sends:
             if not sent.done():
                 sent.add_done_callback(_ignore_outcome)
-    num_layers = req.layer_end - req.layer_start
-    ctx.num_bytes_served += ids.size * num_layers * num_planes(local) * span.nbytes
+    ctx.num_bytes_served += _direct_nbytes(ctx.local, req)
 
 
 def _ignore_outcome(future: asyncio.Future[None]) -> None:
