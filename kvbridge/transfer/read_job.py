@@ -326,7 +326,9 @@ class Reads:
             due.cancel()
             for task in renewer:
                 task.cancel()
-        self._notify_later(link, job.grant)  # the data is here: do not wait for the report
+        # The data is here: report it without waiting, and only once the job's
+        # outcome is recorded (same task step, a few returns up): the engine first.
+        asyncio.get_running_loop().call_soon(self._notify_later, link, job.grant)
         return result
 
     def _notify_later(self, link: PeerLink, grant: str) -> None:

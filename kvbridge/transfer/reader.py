@@ -398,11 +398,49 @@ class PeerLink:
         return direct
 
     async def _finish_direct(self, direct: _DirectRead) -> ItemResult:
-        """Await the chunks of a begun direct read (or the server's refusal)."""
+        """Await every chunk of a begun direct read, or the server's refusal.
+
+        One wait for the lot (``chunk_timeout_s`` per chunk, as the server's):
+        the chunks and the refusal resolve one future through callbacks.
+        """
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[None] = loop.create_future()
+        left = [len(direct.arrivals)]
+
+        def arrived(future: asyncio.Future[None]) -> None:
+            if outcome.done():
+                return
+            error = PeerClosedError("chunk cancelled") if future.cancelled() else future.exception()
+            if error is not None:
+                outcome.set_exception(error)
+            else:
+                left[0] -= 1
+                if not left[0]:
+                    outcome.set_result(None)
+
+        def refused(future: asyncio.Future[wire.Message]) -> None:
+            if outcome.done():
+                return
+            error = future.exception() if not future.cancelled() else PeerClosedError("cancelled")
+            reply = None if error is not None else future.result()
+            if isinstance(reply, wire.Reject):
+                error = RejectedError(reply.reason, reply.message)
+            elif error is None:
+                error = ProtocolError(f"unexpected {type(reply).__name__} for a direct read")
+            outcome.set_exception(error)
+
+        for future in direct.arrivals:
+            future.add_done_callback(arrived)
+        direct.refusal.add_done_callback(refused)
+        timeout_s = self._ctx.config.chunk_timeout_s * len(direct.arrivals)
         try:
-            for arrived in direct.arrivals[direct.landed :]:
-                await self._chunk_or_refusal(arrived, direct.refusal)
-                direct.landed += 1
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await outcome
+            except TimeoutError:
+                raise PeerTimeoutError(
+                    f"direct read from {self._conn.peer}: not all in within {timeout_s}s"
+                ) from None
         except BaseException as exc:
             self._settle(direct, exc)
             raise
@@ -420,8 +458,9 @@ class PeerLink:
         for arrived in direct.arrivals:
             arrived.add_done_callback(_ignore_outcome)
         if isinstance(error, RejectedError) and self.alive:  # nothing was sent: unpost
-            for channel in direct.channels[direct.landed : len(direct.arrivals)]:
-                self._conn.cancel_recv(channel)
+            for channel, arrived in zip(direct.channels, direct.arrivals, strict=False):
+                if not arrived.done():
+                    self._conn.cancel_recv(channel)
         else:  # bytes may still be landing in our blocks: the link is done
             self._fail(error if isinstance(error, TransferError) else
                        PeerClosedError("direct read abandoned with receives posted"))
@@ -430,23 +469,6 @@ class PeerLink:
         """Give up a begun read that will never be finished (its job was cancelled)."""
         if begun.direct is not None:
             self._settle(begun.direct, PeerClosedError("read abandoned before it was awaited"))
-
-    async def _chunk_or_refusal(
-        self, arrived: asyncio.Future[None], refusal: asyncio.Future[wire.Message]
-    ) -> None:
-        timeout_s = self._ctx.config.chunk_timeout_s
-        done, _ = await asyncio.wait(
-            (arrived, refusal), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if arrived in done:
-            arrived.result()
-        elif refusal in done:
-            reply = refusal.result()
-            if isinstance(reply, wire.Reject):
-                raise RejectedError(reply.reason, reply.message)
-            raise ProtocolError(f"unexpected {type(reply).__name__} for a direct read")
-        else:
-            raise PeerTimeoutError(f"direct chunk from {self._conn.peer}: none in {timeout_s}s")
 
     def abort(self) -> None:
         """Drop the link now; reads on it fail. Idempotent."""
@@ -473,7 +495,6 @@ class _DirectRead:
     arrivals: list[asyncio.Future[None]]  # one per chunk, in order
     channels: list[int]
     result: ItemResult
-    landed: int = 0
     settled: bool = False
 
 
