@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -57,6 +58,14 @@ def good_read_works(server: AgentRef, reader: AgentRef) -> None:
     want = logical(server.call("caches"), server.spec, blocks, 32)
     assert torch.equal(got, want)
     wait_released(server, request_id)
+
+
+def released_within(server: AgentRef, request_id: str, timeout_s: float) -> bool:
+    try:
+        wait_released(server, request_id, timeout_s=timeout_s)
+    except AssertionError:
+        return False
+    return True
 
 
 def me(secret: bytes | None = SECRET, compat: str | None = None) -> Identity:
@@ -180,3 +189,52 @@ def test_bad_grant_is_rejected(agents: tuple[AgentRef, AgentRef], case: str) -> 
     }[case]
     assert isinstance(reply, wire.Reject) and reply.reason == expected, reply
     good_read_works(server, reader)
+
+
+def test_direct_read_to_a_stalled_reader_ends_at_its_send_deadline() -> None:
+    """A direct read is served by callbacks, not a task; its deadline must still end it.
+
+    The reader asks for more than a shared-memory FIFO holds and then makes no
+    UCX progress, connection open: the server's sends stall and no error ever
+    comes. The send deadline must end the read (unpinning the grant) so that
+    the lease releases the blocks, once, while the reader still stalls; then a
+    good reader is served.
+    """
+    p_host, d_host = Host(), Host()
+    try:
+        config = {"chunk_timeout_s": 1.0}
+        server = p_host.add(replace(P_SPEC, engine_id="p-stall", port=free_port_base(1),
+                                    config=config))
+        reader = d_host.add(replace(D_SPEC, port=free_port_base(1)))
+        blocks = list(range(8, 56))  # 48 blocks x 4 layers x 32 KiB = 6 MiB
+        token = secrets.token_urlsafe(16)
+        server.call("issue", "stall", blocks, 1, 1.5, token)
+        asked = threading.Event()
+
+        async def ask_and_stall() -> None:
+            worker, conn = await connect(server.port)
+            try:
+                await reader_handshake(conn, CODEC, me(), "p-stall", 0, max_nbytes=MAX_FRAME,
+                                       timeout_s=5)
+                request = wire.ReadRequest(1, token, blocks, 0, 8, 0, 4, len(blocks), direct=True)
+                await send_msg(conn, CODEC, request, 5.0)
+                asked.set()
+                time.sleep(6.0)  # blocks this loop: no UCX progress, nothing taken
+            finally:
+                conn.abort()
+                await worker.close()
+
+        stalled = threading.Thread(target=asyncio.run, args=(ask_and_stall(),))
+        stalled.start()
+        try:
+            assert asked.wait(10.0)
+            released_while_stalled = released_within(server, "stall", 4.5) and stalled.is_alive()
+        finally:
+            stalled.join()
+        assert released_while_stalled, "the stalled read kept its grant pinned"
+        stats, _ = server.call("grant_stats")
+        assert (stats.num_released_expired, stats.num_released_done) == (1, 0)
+        good_read_works(server, reader)
+    finally:
+        p_host.close()
+        d_host.close()
