@@ -488,7 +488,7 @@ class PeerLink:
 
 @dataclass(slots=True)
 class _DirectRead:
-    """A direct read under way: its receives, the server's possible refusal, progress."""
+    """A direct read under way: its receives, the server's possible refusal, its end."""
 
     key: tuple[str, int]  # of the refusal in the link's waiters
     refusal: asyncio.Future[wire.Message]
