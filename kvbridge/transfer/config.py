@@ -161,10 +161,15 @@ class LocalKV:
         # One block of one layer: the MLA latent rows, or its K plane plus its V plane.
         plane_numel = first[0].numel() if topology.is_mla else 2 * first[0, 0].numel()
         self.block_nbytes = plane_numel * self.elem_nbytes
-        # (layers.start, layers.stop, planes) -> (the tensors' addresses, plane_origins)
+        # (layers.start, layers.stop) -> (the tensors' addresses, plane_origins)
         self._origins: dict[tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64]]] = {}
 
-    def plane_origins(self, layers: slice, num_planes: int) -> npt.NDArray[np.uint64]:
+    @property
+    def num_planes(self) -> int:
+        """Planes per block and layer: K and V, or MLA's single latent plane."""
+        return 1 if self.topology.is_mla else 2
+
+    def plane_origins(self, layers: slice) -> npt.NDArray[np.uint64]:
         """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``.
 
         Read from the tensors on every call (a storage can move in place:
@@ -172,13 +177,13 @@ class LocalKV:
         only the array is cached, for as long as the addresses stay the same.
         """
         pointers = tuple(layer.data_ptr() for layer in self.layers[layers])
-        key = (layers.start, layers.stop, num_planes)
+        key = (layers.start, layers.stop)
         cached = self._origins.get(key)
         if cached is not None and cached[0] == pointers:
             return cached[1]
         plane_nbytes = self.num_blocks * self.plane_block_nbytes
         origins = (np.array(pointers, dtype=np.uint64)[:, None]
-                   + np.arange(num_planes, dtype=np.uint64)[None, :] * np.uint64(plane_nbytes))
+                   + np.arange(self.num_planes, dtype=np.uint64)[None, :] * np.uint64(plane_nbytes))
         origins = origins.reshape(-1)
         origins.flags.writeable = False
         self._origins[key] = (pointers, origins)
@@ -187,7 +192,7 @@ class LocalKV:
     @property
     def plane_block_nbytes(self) -> int:
         """Bytes of one block of one K (or V, or MLA latent) plane of one layer."""
-        return self.block_nbytes // (1 if self.topology.is_mla else 2)
+        return self.block_nbytes // self.num_planes
 
     def metadata(self, engine_id: str, proof: bytes | None) -> wire.AgentMetadata:
         """The handshake's description of this rank."""

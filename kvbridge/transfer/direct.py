@@ -64,7 +64,7 @@ def head_span(local: LocalKV, head_start: int, head_end: int) -> HeadSpan | None
 
 def num_planes(local: LocalKV) -> int:
     """Planes per block and layer: K and V, or MLA's single latent plane."""
-    return 1 if local.topology.is_mla else 2
+    return local.num_planes
 
 
 def block_ranges(
@@ -81,7 +81,7 @@ def block_ranges(
         layers: which of the rank's layers, in the read's order.
         span: the heads' run inside a block plane (``head_span``).
     """
-    origins = local.plane_origins(layers, num_planes(local))
+    origins = local.plane_origins(layers)
     blocks = block_ids.astype(np.uint64) * np.uint64(local.plane_block_nbytes)
     blocks += np.uint64(span.offset)
     if blocks.size > 1 and bool((np.diff(block_ids) == 1).any()):

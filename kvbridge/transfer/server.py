@@ -175,9 +175,14 @@ async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str
                 await ctx.issued.wait()
         token = ctx.aliases.get(name, name)
     # unknown or released: the grant call that follows says so
+    _fix_readers(ctx, token, num_readers)
+    return token
+
+
+def _fix_readers(ctx: ServerContext, token: str, num_readers: int) -> None:
+    """Give a live grant issued without a reader count this session's (else nothing)."""
     with contextlib.suppress(grant_errors.GrantError):
         ctx.grants.set_expected_readers(token, num_readers)
-    return token
 
 
 async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
@@ -318,21 +323,13 @@ async def _serve_read(
         await reject(conn, ctx.codec, R.BAD_REQUEST, problem, req.xfer_id)
         return
     token = await _resolve_grant(ctx, req.grant, num_readers)
-    try:
-        grant = ctx.grants.begin_read(token, req.block_ids)
-    except grant_errors.GrantError as exc:
+    refusal = _pin(ctx, token, req)
+    if refusal is not None:
         reads.pop(req.xfer_id, None)
-        await reject(conn, ctx.codec, _grant_reason(exc), str(exc), req.xfer_id)
-        return
-    if grant.prompt_digest is not None and not hmac.compare_digest(
-        grant.prompt_digest, req.prompt_digest
-    ):
-        ctx.grants.end_read(token)
-        reads.pop(req.xfer_id, None)
-        logger.warning("read %d from %s names another prompt than grant %s", req.xfer_id,
-                       conn.peer, grant.request_id)
-        await reject(conn, ctx.codec, R.PROMPT_MISMATCH,
-                     "the grant holds the KV of another prompt", req.xfer_id)
+        if refusal[0] is R.PROMPT_MISMATCH:
+            logger.warning("read %d from %s names another prompt than its grant", req.xfer_id,
+                           conn.peer)
+        await reject(conn, ctx.codec, *refusal, req.xfer_id)
         return
     try:
         if req.direct:
@@ -346,6 +343,24 @@ async def _serve_read(
     finally:
         ctx.grants.end_read(token)
         reads.pop(req.xfer_id, None)
+
+
+def _pin(ctx: ServerContext, token: str, req: wire.ReadRequest) -> tuple[R, str] | None:
+    """Pin grant ``token`` for ``req`` (``begin_read``), or say why the read may not go on.
+
+    Returns None with the grant pinned (the caller must ``end_read`` it), else
+    ``(reason, message)`` for the ``Reject`` with nothing pinned.
+    """
+    try:
+        grant = ctx.grants.begin_read(token, req.block_ids)
+    except grant_errors.GrantError as exc:
+        return _grant_reason(exc), str(exc)
+    if grant.prompt_digest is not None and not hmac.compare_digest(
+        grant.prompt_digest, req.prompt_digest
+    ):
+        ctx.grants.end_read(token)
+        return R.PROMPT_MISMATCH, "the grant holds the KV of another prompt"
+    return None
 
 
 async def _send_chunks(
@@ -404,16 +419,8 @@ def _start_direct(
     token = ctx.aliases.get(req.grant, req.grant)
     if not ctx.grants.is_known(token):
         return False
-    with contextlib.suppress(grant_errors.GrantError):
-        ctx.grants.set_expected_readers(token, num_readers)
-    try:
-        grant = ctx.grants.begin_read(token, req.block_ids)
-    except grant_errors.GrantError:
-        return False
-    if grant.prompt_digest is not None and not hmac.compare_digest(
-        grant.prompt_digest, req.prompt_digest
-    ):
-        ctx.grants.end_read(token)
+    _fix_readers(ctx, token, num_readers)
+    if _pin(ctx, token, req) is not None:
         return False
     _DirectSends(ctx, conn, req, token, reads)
     return True

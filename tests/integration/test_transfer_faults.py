@@ -230,7 +230,8 @@ def test_direct_read_to_a_stalled_reader_ends_at_its_send_deadline() -> None:
             assert asked.wait(10.0)
             released_while_stalled = released_within(server, "stall", 4.5) and stalled.is_alive()
         finally:
-            stalled.join()
+            stalled.join(30.0)
+        assert not stalled.is_alive(), "the stalled reader did not close"
         assert released_while_stalled, "the stalled read kept its grant pinned"
         stats, _ = server.call("grant_stats")
         assert (stats.num_released_expired, stats.num_released_done) == (1, 0)
