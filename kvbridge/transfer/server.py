@@ -408,8 +408,9 @@ def _start_direct(
 
     The common case: a good request naming a grant this table already knows.
     Posts every chunk now and finishes in ``_DirectSends`` callbacks. Returns
-    False, having changed nothing, when ``_serve_read`` must take the request
-    (not direct, a test delay, a problem to reject, a grant to wait for or to
+    False, with nothing pinned (at most the grant's reader count fixed, as
+    ``_serve_read`` would), when ``_serve_read`` must take the request (not
+    direct, a test delay, a problem to reject, a grant to wait for or to
     refuse); that path checks everything again and answers.
     """
     if not req.direct or ctx.config.test_chunk_delay_s:
