@@ -50,12 +50,14 @@ def pattern(layer: int, block_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint
     return key * _MIX + np.uint64(1)
 
 
-def _agent(engine_id: str, num_layers: int, num_pool_blocks: int) -> tuple[Any, list[Any]]:
+def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
+           local_copy: bool = True) -> tuple[Any, list[Any]]:
     import torch
 
     from kvbridge.layout import KVLayout
     from kvbridge.topology import EngineTopology
     from kvbridge.transfer.agent import TransferAgent
+    from kvbridge.transfer.config import AgentConfig
     from kvbridge.transfer.security import CompatInfo
 
     topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)
@@ -63,7 +65,8 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int) -> tuple[Any, 
                         BLOCK_SIZE, False)
     shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
-    agent = TransferAgent(engine_id, topo, 0, 0, compat)
+    agent = TransferAgent(engine_id, topo, 0, 0, compat,
+                          config=AgentConfig(local_copy=local_copy))
     agent.register_kv_caches(caches)
     return agent, caches
 
@@ -91,8 +94,9 @@ def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int) -> None
         conn.send("closed")
 
 
-def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: int) -> None:
-    agent, caches = _agent("bench-d", num_layers, num_pool_blocks)
+def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: int,
+               local_copy: bool) -> None:
+    agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy)
     agent.start()
     conn.send("ready")
     try:
@@ -150,21 +154,27 @@ class AgentPair:
         num_layers: Layers of both caches.
         num_pool_blocks: Blocks of each cache (requests pick scattered ids in it).
         timeout_s: Deadline of every reply from a child.
+        local_copy: let the reader copy out of the server's process (both are on
+            this host: ``kvbridge.transfer.local_copy``); False reads through UCX.
+        name: the name of the results.
 
     Raises:
         AgentPairError: a child did not start within ``timeout_s``.
     """
 
-    def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float) -> None:
+    def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float,
+                 local_copy: bool = True, name: str = "kvbridge") -> None:
         self.num_layers, self.num_pool_blocks, self.timeout_s = (
             num_layers, num_pool_blocks, timeout_s)
+        self.name = name
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []  # reader last, so close() stops it first
         self._num_requests = 0
         try:
             self._server = self._spawn(_serve_main, num_layers, num_pool_blocks)
             port = self._recv(self._server)
-            self._reader = self._spawn(_read_main, num_layers, num_pool_blocks, port)
+            self._reader = self._spawn(_read_main, num_layers, num_pool_blocks, port,
+                                       local_copy)
             self._recv(self._reader)
         except BaseException:
             self.close()
@@ -211,7 +221,7 @@ class AgentPair:
         """Warm up, time ``num_iters`` reads of ``num_blocks`` scattered blocks, verify.
 
         Returns:
-            The statistics, named ``kvbridge``; ``num_blocks`` counts 64 KiB pieces
+            The statistics, named ``self.name``; ``num_blocks`` counts 64 KiB pieces
             (blocks x layers) like the peers' results.
 
         Raises:
@@ -230,7 +240,7 @@ class AgentPair:
                 f"{max(n for _, n in timed)} messages per read")
         if num_wrong:
             note += f"; {num_wrong} of {num_blocks} blocks wrong"
-        return summarize("kvbridge", nbytes, num_blocks * self.num_layers, durations_s,
+        return summarize(self.name, nbytes, num_blocks * self.num_layers, durations_s,
                          num_wrong == 0, note)
 
     def close(self) -> None:

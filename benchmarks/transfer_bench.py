@@ -24,6 +24,10 @@ kvbridge runs as two spawned processes on loopback per layer count: a serving
 agent (fills its cache with a pattern, issues a grant per request) and a
 reading agent, timed from ``start_read`` to the read showing up in
 ``get_finished`` (grant, handshake reuse, chunked read, unpack, done report).
+Both are on this host, so by default the reader copies the blocks out of the
+server's process itself (``kvbridge.transfer.local_copy``); the pseudo-peer
+``kvbridge_ucx`` runs the same with that off: every byte through UCX, as
+between two hosts.
 Block ids are scattered over a pool twice the largest request. After the timed
 requests of each size the reader checks every named block against the pattern
 and every other block for zeros.
@@ -48,6 +52,8 @@ FULL_PIECES = (1, 16, 32, 64, 256, 1024, 4096)
 QUICK_PIECES = (1, 16, 32, 64, 256, 1024)
 LATENCY_PIECES = MAX_LAYERS  # one block of the 32-layer model
 _TIMEOUT_S = 300.0
+#: Run kvbridge a second time with same-host copies off (every byte through UCX).
+KVBRIDGE_UCX = "kvbridge_ucx"
 
 Progress = Callable[[str, int, int], None]
 """``progress(what just finished, steps done, total steps)``."""
@@ -93,8 +99,12 @@ def kvbridge_iters(nbytes: int, quick: bool) -> int:
 
 
 def run_kvbridge(points: Sequence[SizePoint], quick: bool,
-                 progress: Progress | None = None) -> list[PeerResult]:
+                 progress: Progress | None = None, name: str = "kvbridge") -> list[PeerResult]:
     """Time kvbridge at every point; one process pair per layer count.
+
+    ``name`` ``kvbridge``: as configured by default (both agents on this host,
+    so the reader copies out of the server's process); ``kvbridge_ucx``: with
+    same-host copies off, every byte through UCX as between two hosts.
 
     Raises:
         RuntimeError: a read failed or the data did not verify.
@@ -105,12 +115,13 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
     for num_layers in sorted({p.num_layers for p in points}):
         group = [p for p in points if p.num_layers == num_layers]
         num_pool_blocks = 2 * max(p.num_blocks for p in group)
-        with AgentPair(num_layers, num_pool_blocks, _TIMEOUT_S) as pair:
+        with AgentPair(num_layers, num_pool_blocks, _TIMEOUT_S,
+                       local_copy=name != KVBRIDGE_UCX, name=name) as pair:
             for point in group:
                 results.append(pair.measure(point.num_blocks, kvbridge_iters(point.nbytes, quick),
                                             point.nbytes))
                 if progress is not None:
-                    progress(f"kvbridge {point.nbytes >> 10} KiB", len(results), len(points))
+                    progress(f"{name} {point.nbytes >> 10} KiB", len(results), len(points))
     results.sort(key=lambda r: r.nbytes)
     return results
 
@@ -170,9 +181,10 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
         ValueError: unknown peer or a bad size.
         RuntimeError: kvbridge's own run failed (peers never raise).
     """
-    unknown = [p for p in peers if p not in PEER_NAMES]
+    unknown = [p for p in peers if p not in PEER_NAMES and p != KVBRIDGE_UCX]
     if unknown:
-        raise ValueError(f"unknown peers {unknown}; known: {', '.join(PEER_NAMES)}")
+        raise ValueError(f"unknown peers {unknown}; known: "
+                         f"{', '.join((*PEER_NAMES, KVBRIDGE_UCX))}")
     points = [SizePoint.of(n) for n in (pieces or (QUICK_PIECES if quick else FULL_PIECES))]
     sizes = [p.nbytes for p in points]
     total = len(points) * (1 + len(peers))
@@ -186,7 +198,11 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
     failures: dict[str, dict[int, str]] = {}
     for name in peers:
         offset += len(points)
-        outcomes[name], failed = run_peer_safely(name, sizes, peer_iters or (10 if quick else 20))
+        if name == KVBRIDGE_UCX:  # ours too: a failure is one
+            outcomes[name], failed = run_kvbridge(points, quick, name=name), {}
+        else:
+            outcomes[name], failed = run_peer_safely(name, sizes,
+                                                     peer_iters or (10 if quick else 20))
         if failed:
             failures[name] = failed
         step(name, len(points), total)

@@ -52,6 +52,7 @@ from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.grants import Grant, GrantTable
 from kvbridge.transfer.handshake import Identity
+from kvbridge.transfer.local_copy import Copier, ProbeCell, allowed, host_memory
 from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
 from kvbridge.transfer.reader import ReaderContext
 from kvbridge.transfer.security import CompatInfo, compat_hash
@@ -84,6 +85,7 @@ class AgentCounters:
     num_sessions: int  # server sessions open now
     num_sessions_total: int  # connections that reached the server since start
     num_serving_reads: int  # reads being served now (all sessions)
+    num_copy_holds: int  # same-host copies holding their grant pinned now
     num_read_tasks: int  # tasks serving those reads
     num_pending_reports: int  # done reports waiting for their grant to be issued
     num_staging_lent: int  # serve staging buffers lent out
@@ -219,9 +221,14 @@ class TransferAgent:
             self._me, self._local, self.grants, cfg, BufferPool(cfg.num_serve_buffers),
             executor, self._clock, self._aliases,
         )
+        copier = None
+        if allowed(cfg.local_copy) and host_memory(self._local.layers):
+            server_ctx.probe = ProbeCell()
+            server_ctx.host = server_ctx.probe.host_info()
+            copier = Copier(cfg.copy_threads)
         reader_ctx = ReaderContext(
             self._me, self._local, cfg, BufferPool(cfg.num_read_slots * cfg.window_chunks),
-            executor,
+            executor, copier=copier,
         )
         reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}",
                       on_outcome=self._on_event)
@@ -242,6 +249,8 @@ class TransferAgent:
         finally:
             await worker.close()
             executor.shutdown(wait=False, cancel_futures=True)
+            if copier is not None:
+                copier.close()
 
     async def _expire_grants(self) -> None:
         while True:
@@ -285,6 +294,7 @@ class TransferAgent:
                 num_sessions=len(ctx.sessions),
                 num_sessions_total=ctx.num_sessions_total,
                 num_serving_reads=sum(len(s.reads) for s in ctx.sessions),
+                num_copy_holds=ctx.num_holds,
                 num_read_tasks=sum(len(s.tasks) for s in ctx.sessions),
                 num_pending_reports=len(ctx.reports),
                 num_staging_lent=ctx.pool.num_lent,

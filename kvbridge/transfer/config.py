@@ -23,6 +23,7 @@ from kvbridge.transfer import wire
 
 #: ``AgentConfig`` fields for which 0 means "off" rather than an invalid value.
 _ZERO_ALLOWED = frozenset({"test_chunk_delay_s"})
+_BOOLS = frozenset({"direct_reads", "local_copy"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,11 @@ class AgentConfig:
         direct_reads: read straight from the server's blocks into ours when both
             caches store them alike (no staging, pack or unpack); False forces
             the staged path (tests, or a transport that handles IOV messages badly).
+        local_copy: when reader and server share a host, the reader copies a
+            direct read's blocks out of the server's memory itself (one pass,
+            ``local_copy.py``) instead of receiving them through UCX. Also off
+            with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
+        copy_threads: threads one same-host copy is split over (large reads).
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
             (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
@@ -74,14 +80,16 @@ class AgentConfig:
     expire_every_s: float = 0.2
     grant_wait_s: float = 2.0
     direct_reads: bool = True
+    local_copy: bool = True
+    copy_threads: int = 2
     test_chunk_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "direct_reads":
+            if f.name in _BOOLS:
                 if not isinstance(value, bool):
-                    raise ConfigError(f"AgentConfig.direct_reads must be a bool, got {value!r}")
+                    raise ConfigError(f"AgentConfig.{f.name} must be a bool, got {value!r}")
                 continue
             zero_ok = f.name in _ZERO_ALLOWED
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
@@ -89,6 +97,9 @@ class AgentConfig:
                 bound = ">= 0" if zero_ok else "> 0"
                 raise ConfigError(f"AgentConfig.{f.name} must be finite and {bound}, "
                                   f"got {value!r}")
+        if not isinstance(self.copy_threads, int) or self.copy_threads > 64:
+            raise ConfigError(f"AgentConfig.copy_threads must be an int <= 64, "
+                              f"got {self.copy_threads!r}")
         if self.window_chunks > 64:
             raise ConfigError(f"AgentConfig.window_chunks must be <= 64, got {self.window_chunks}")
 
@@ -194,8 +205,10 @@ class LocalKV:
         """Bytes of one block of one K (or V, or MLA latent) plane of one layer."""
         return self.block_nbytes // self.num_planes
 
-    def metadata(self, engine_id: str, proof: bytes | None) -> wire.AgentMetadata:
-        """The handshake's description of this rank."""
+    def metadata(
+        self, engine_id: str, proof: bytes | None, host: wire.HostInfo | None = None
+    ) -> wire.AgentMetadata:
+        """The handshake's description of this rank (``host``: offer same-host copies)."""
         topo = self.topology
         return wire.AgentMetadata(
             engine_id=engine_id,
@@ -216,6 +229,7 @@ class LocalKV:
             elem_nbytes=self.elem_nbytes,
             is_mla=topo.is_mla,
             proof=proof,
+            host=host,
         )
 
 

@@ -28,7 +28,9 @@ from kvbridge.layout import KVLayout
 from kvbridge.transfer.config import LocalKV
 from kvbridge.transfer.iov import iov_array
 
-__all__ = ["MAX_RANGES_PER_CHUNK", "HeadSpan", "block_ranges", "head_span", "num_planes"]
+__all__ = [
+    "MAX_RANGES_PER_CHUNK", "HeadSpan", "block_ranges", "head_span", "num_planes", "plane_ranges",
+]
 
 #: Ranges one data message may list (before merging adjacent ones).
 MAX_RANGES_PER_CHUNK = 1 << 14
@@ -82,12 +84,31 @@ def block_ranges(
         span: the heads' run inside a block plane (``head_span``).
     """
     origins = local.plane_origins(layers)
-    blocks = block_ids.astype(np.uint64) * np.uint64(local.plane_block_nbytes)
-    blocks += np.uint64(span.offset)
-    if blocks.size > 1 and bool((np.diff(block_ids) == 1).any()):
-        addresses = origins[:, None] + blocks[None, :]
+    offsets = block_offsets(block_ids, local.plane_block_nbytes, span.offset)
+    if offsets.size > 1 and bool((np.diff(block_ids) == 1).any()):
+        addresses = origins[:, None] + offsets[None, :]
         return iov_array(addresses.reshape(-1), np.full(addresses.size, span.nbytes, np.uint64))
-    out = np.empty((origins.size * blocks.size, 2), dtype=np.uint64)
-    np.add(origins[:, None], blocks[None, :], out=out[:, 0].reshape(origins.size, blocks.size))
-    out[:, 1] = span.nbytes
+    return plane_ranges(origins, offsets, span.nbytes)
+
+
+def block_offsets(
+    block_ids: npt.NDArray[np.int64], block_stride: int, span_offset: int
+) -> npt.NDArray[np.uint64]:
+    """Where ``span_offset`` of each block sits from the start of its plane."""
+    offsets = block_ids.astype(np.uint64) * np.uint64(block_stride)
+    offsets += np.uint64(span_offset)
+    return offsets
+
+
+def plane_ranges(
+    origins: npt.NDArray[np.uint64], offsets: npt.NDArray[np.uint64], nbytes: int
+) -> npt.NDArray[np.uint64]:
+    """``(origin + offset, nbytes)`` for each origin, then each offset: one range per row.
+
+    The unmerged form of ``block_ranges``: row ``i`` of two such arrays built for
+    the same blocks on two ranks always has one length (same-host copies rely on it).
+    """
+    out = np.empty((origins.size * offsets.size, 2), dtype=np.uint64)
+    np.add(origins[:, None], offsets[None, :], out=out[:, 0].reshape(origins.size, offsets.size))
+    out[:, 1] = nbytes
     return out

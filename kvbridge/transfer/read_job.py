@@ -99,6 +99,8 @@ class TransferStats:
         error: the first failure, empty when ok.
         num_direct: plan items read direct, block memory to block memory (the
             rest were staged: packed, sent, unpacked).
+        num_local_copies: of those, items this reader copied out of a server
+            process on its own host (``local_copy.py``) instead of through UCX.
     """
 
     request_id: str
@@ -109,6 +111,7 @@ class TransferStats:
     num_remote_ranks: int
     error: str = ""
     num_direct: int = 0
+    num_local_copies: int = 0
 
 
 class Reads:
@@ -377,6 +380,7 @@ class Reads:
             num_remote_ranks=num_ranks,
             error="" if ok else f"{type(errors[0]).__name__}: {errors[0]}",
             num_direct=sum(r.direct for r in results),
+            num_local_copies=sum(r.local_copy for r in results),
         )
         with self._lock:
             self._finished.add(job.request_id)

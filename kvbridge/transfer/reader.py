@@ -13,14 +13,21 @@ Reading one plan item (``read``)::
     -> post receives for chunks 0..w-1 -> Credit(w)
     -> for each chunk i: wait; unpack (executor thread, overlaps the next
        chunk on the wire); repost the buffer for chunk i+w; Credit(i+w+1)
+
+A direct read (both caches store blocks alike) skips all of that: receives go
+straight into our blocks (``_begin_direct``), or, when the server is on this
+host and offered it, we copy its blocks ourselves (``_begin_copy``,
+``local_copy.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -38,9 +45,11 @@ from kvbridge.transfer.config import AgentConfig, LocalKV
 from kvbridge.transfer.direct import (
     MAX_RANGES_PER_CHUNK,
     HeadSpan,
+    block_offsets,
     block_ranges,
     head_span,
     num_planes,
+    plane_ranges,
 )
 from kvbridge.transfer.errors import (
     PeerClosedError,
@@ -51,6 +60,13 @@ from kvbridge.transfer.errors import (
 )
 from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.iov import post_recv_iov
+from kvbridge.transfer.local_copy import (
+    Copier,
+    CopyRefusedError,
+    CopyRun,
+    CopySource,
+    IovArray,
+)
 from kvbridge.transfer.server import channel_of
 from kvbridge.transfer.staging import Buffer, BufferPool
 from kvbridge.transfer.ucp_lib import UcpLibrary
@@ -70,6 +86,7 @@ class ReaderContext:
     executor: Executor
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
     ucp: UcpLibrary = field(default_factory=UcpLibrary)
+    copier: Copier | None = None  # None: no same-host copies
 
 
 @dataclass(slots=True)
@@ -79,6 +96,7 @@ class ItemResult:
     nbytes: int
     num_messages: int
     direct: bool = False  # block memory to block memory, no staging
+    local_copy: bool = False  # copied out of the server's memory by us (same host)
 
 
 class PeerLink:
@@ -93,6 +111,10 @@ class PeerLink:
         self._ping_seq = itertools.count(1)
         self._error: TransferError | None = None
         self.num_received = 0  # control messages from the server: proof of life
+        # Set when the server is on this host and lets us copy from it (local_copy.py).
+        self.copy_source = (CopySource.open(meta.host, conn.peer)
+                            if ctx.copier is not None else None)
+        self._copy_gos: dict[tuple[int, int, int, int], wire.CopyGo] = {}  # the last, by shape
         self._tasks = [
             asyncio.create_task(self._dispatch()),
             asyncio.create_task(self._heartbeat()),
@@ -146,7 +168,7 @@ class PeerLink:
                 msg = await recv_msg(self._conn, codec, cfg.max_frame_nbytes, 3 * cfg.heartbeat_s)
                 self.num_received += 1
                 match msg:
-                    case wire.DataHeader(xfer_id=xfer_id):
+                    case wire.DataHeader(xfer_id=xfer_id) | wire.CopyGo(xfer_id=xfer_id):
                         self._resolve(("data", xfer_id), msg)
                     case wire.Reject(xfer_id=0, reason=reason, message=text):
                         raise RejectedError(reason, text)
@@ -256,8 +278,8 @@ class PeerLink:
         Tokens ``[first_token, first_token + num_tokens)`` are read; the remote
         blocks covering them are sent whole and the tokens before ``first_token``
         in the first of them are skipped on unpack (see ``_TokenWindow``). When
-        both caches store the blocks alike, the read is direct (``_begin_direct``).
-        Same as ``finish(begin(...))``.
+        both caches store the blocks alike, the read is direct (``_begin_direct``,
+        or ``_begin_copy`` from a server on this host). Same as ``finish(begin(...))``.
 
         Raises:
             ConfigError: the remote block ids do not cover the tokens.
@@ -281,8 +303,9 @@ class PeerLink:
     ) -> BegunRead:
         """The part of ``read`` that needs no waiting; pass the result to ``finish``.
 
-        A direct read is under way when this returns (receives posted, request
-        sent). Whoever calls ``begin`` must call ``finish`` or ``abandon``.
+        A direct read is under way when this returns (receives posted or a copy
+        asked for, request sent). Whoever calls ``begin`` must call ``finish`` or
+        ``abandon``.
 
         Raises:
             ConfigError, TransferError: as ``read``.
@@ -312,13 +335,18 @@ class PeerLink:
         begun = BegunRead(item, request, wire_fmt, tokens, local_block_ids)
         if local_span is not None:
             local_ids = local_block_ids[tokens.first_local_block :][:num_blocks]
-            begun.direct = self._begin_direct(request, item, local_ids, local_span)
+            if self.copy_source is not None:
+                begun.copy = self._begin_copy(request, item, local_ids, local_span)
+            else:
+                begun.direct = self._begin_direct(request, item, local_ids, local_span)
         return begun
 
     async def finish(self, begun: BegunRead) -> ItemResult:
         """Wait for a begun read to land (and unpack it); the rest of ``read``."""
         if begun.direct is not None:
             return await self._finish_direct(begun.direct)
+        if begun.copy is not None:
+            return await self._finish_copy(begun.copy)
         ctx = self._ctx
         item, request, wire_fmt, tokens = begun.item, begun.request, begun.wire_fmt, begun.tokens
         xfer_id, chunk_blocks = request.xfer_id, request.chunk_blocks
@@ -362,6 +390,128 @@ class PeerLink:
         local_span = head_span(local, item.local_head_offset, item.local_head_offset + len(heads))
         return local_span if remote_run else None
 
+    def _direct_request(
+        self, request: wire.ReadRequest, item: RemoteRead, local_copy: bool
+    ) -> wire.ReadRequest:
+        """``request`` made direct, its chunks within the ranges one message may list."""
+        per_block = len(item.local_layers) * num_planes(self._ctx.local)
+        chunk_blocks = max(1, min(request.chunk_blocks, MAX_RANGES_PER_CHUNK // per_block))
+        return msgspec.structs.replace(request, chunk_blocks=chunk_blocks, direct=True,
+                                       local_copy=local_copy)
+
+    def _begin_copy(
+        self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
+        span: HeadSpan,
+    ) -> _CopyRead:
+        """Ask for a same-host copy; when an earlier go tells where, copy at once.
+
+        The blocks of a grant the server is about to confirm have not changed
+        since the grant was issued (they change only after its release), so a
+        copy made while the server checks is as good as one made after, if the
+        server's go says the blocks are where we copied from (``_finish_copy``).
+        """
+        ctx, source = self._ctx, self.copy_source
+        assert source is not None and ctx.copier is not None
+        request = self._direct_request(request, item, local_copy=True)
+        key = ("data", request.xfer_id)
+        reply: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = reply
+        started = time.monotonic()  # before the server can start its hold
+        try:
+            self._post(request)
+        except BaseException:
+            self._waiters.pop(key, None)
+            raise
+        ids = np.asarray(local_ids, dtype=np.int64)
+        layers = slice(item.local_layers.start, item.local_layers.stop)
+        offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
+        local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
+        result = ItemResult(int(local_iov[:, 1].sum()), 3, direct=True, local_copy=True)
+        copy = _CopyRead(key, reply, started, request, source, local_iov, span, result)
+        known = self._copy_gos.get(_copy_shape(request))
+        if known is not None:
+            copy.guess = known
+            copy.early = ctx.copier.start(source, local_iov, self._remote_ranges(copy, known))
+        return copy
+
+    async def _finish_copy(self, copy: _CopyRead) -> ItemResult:
+        """Finish the early copy or copy after the go; check the hold; say ``CopyDone``.
+
+        The bytes of an early copy are kept only if the go places the blocks
+        where it copied from; nothing is kept without a go.
+        """
+        ctx = self._ctx
+        assert ctx.copier is not None
+        ok = False
+        try:
+            copied = None
+            if copy.early is not None:
+                with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
+                    early, copy.early = copy.early, None
+                    await ctx.copier.finish(early)
+                    copied = copy.guess
+            go = await self._copy_go(copy)
+            if copied is None or _place(go) != _place(copied):  # new shape, or blocks moved
+                await ctx.copier.copy(copy.source, copy.local_iov, self._remote_ranges(copy, go))
+            took_s = time.monotonic() - copy.started
+            if took_s >= go.hold_s:  # the server may have handed the blocks back
+                raise PeerTimeoutError(f"same-host copy from {self._conn.peer} took "
+                                       f"{took_s:.3f}s, past the server's hold of {go.hold_s}s")
+            self._copy_gos[_copy_shape(copy.request)] = go
+            ok = True
+        except CopyRefusedError:
+            self.copy_source = None  # the kernel said no: this link reads through UCX now
+            raise
+        except (PeerClosedError, ProtocolError) as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._waiters.pop(copy.key, None)
+            if copy.answered:
+                with contextlib.suppress(TransferError):
+                    self._post(wire.CopyDone(copy.request.xfer_id, ok))
+        return copy.result
+
+    async def _copy_go(self, copy: _CopyRead) -> wire.CopyGo:
+        """The server's go for ``copy`` (its copy-only fields checked).
+
+        Raises:
+            RejectedError: the server refused (nothing is pinned).
+            PeerTimeoutError: no answer in time (the link is failed).
+            ProtocolError: not a go, or one that does not fit the request.
+        """
+        try:
+            async with asyncio.timeout(self._ctx.config.reply_timeout_s):
+                reply = await copy.reply
+        except TimeoutError:
+            self._fail(PeerTimeoutError(f"no answer to a same-host copy from {self._conn.peer}"))
+            raise self._error from None  # type: ignore[misc]
+        if isinstance(reply, wire.Reject):
+            raise RejectedError(reply.reason, reply.message)
+        copy.answered = True
+        if not isinstance(reply, wire.CopyGo):
+            raise ProtocolError(f"unexpected {type(reply).__name__} for a same-host copy")
+        self._remote_ranges(copy, reply)  # raises when it does not fit
+        return reply
+
+    def _remote_ranges(self, copy: _CopyRead, go: wire.CopyGo) -> IovArray:
+        """The server's ranges for ``copy`` per ``go``, row for row with ours.
+
+        Raises:
+            ProtocolError: the go does not fit the read we asked for.
+        """
+        req = copy.request
+        num_origins = (req.layer_end - req.layer_start) * num_planes(self._ctx.local)
+        if len(go.origins) != 8 * num_origins or go.span_nbytes != copy.span.nbytes:
+            raise ProtocolError(
+                f"copy go for {len(go.origins) // 8} planes of {go.span_nbytes}-byte spans, "
+                f"asked for {num_origins} of {copy.span.nbytes}"
+            )
+        origins = np.frombuffer(go.origins, dtype=np.uint64)
+        offsets = block_offsets(np.asarray(req.block_ids, dtype=np.int64), go.block_stride,
+                                go.span_offset)
+        return plane_ranges(origins, offsets, go.span_nbytes)
+
     def _begin_direct(
         self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
         span: HeadSpan,
@@ -370,8 +520,8 @@ class PeerLink:
         ctx = self._ctx
         layers = slice(item.local_layers.start, item.local_layers.stop)
         per_block = len(item.local_layers) * num_planes(ctx.local)
-        chunk_blocks = max(1, min(request.chunk_blocks, MAX_RANGES_PER_CHUNK // per_block))
-        request = msgspec.structs.replace(request, chunk_blocks=chunk_blocks, direct=True)
+        request = self._direct_request(request, item, local_copy=False)
+        chunk_blocks = request.chunk_blocks
         ids = np.asarray(local_ids, dtype=np.int64)
         num_chunks = math.ceil(ids.size / chunk_blocks)
         channels = [channel_of(request.xfer_id, chunk) for chunk in range(num_chunks)]
@@ -469,6 +619,12 @@ class PeerLink:
         """Give up a begun read that will never be finished (its job was cancelled)."""
         if begun.direct is not None:
             self._settle(begun.direct, PeerClosedError("read abandoned before it was awaited"))
+        copy = begun.copy
+        if copy is not None and copy.early is not None:
+            Copier.abandon(copy.early)  # it writes into our blocks: wait for it
+        if copy is not None and self._waiters.pop(copy.key, None) is not None:
+            with contextlib.suppress(TransferError):  # the server may unpin at once
+                self._post(wire.CopyDone(copy.request.xfer_id, False))
 
     def abort(self) -> None:
         """Drop the link now; reads on it fail. Idempotent."""
@@ -499,6 +655,33 @@ class _DirectRead:
 
 
 @dataclass(slots=True)
+class _CopyRead:
+    """A same-host copy asked for: the go to wait for, and what to copy into."""
+
+    key: tuple[str, int]  # of the reply in the link's waiters
+    reply: asyncio.Future[wire.Message]
+    started: float  # time.monotonic() before the request was sent
+    request: wire.ReadRequest
+    source: CopySource
+    local_iov: IovArray
+    span: HeadSpan
+    result: ItemResult
+    guess: wire.CopyGo | None = None  # an earlier go of this shape, copied from early
+    early: CopyRun | None = None  # that copy, started by ``_begin_copy``
+    answered: bool = False  # the server pinned the grant for us: say CopyDone
+
+
+def _place(go: wire.CopyGo) -> tuple[bytes, int, int, int]:
+    """Where a go says the blocks are (all of it but the read's id and hold)."""
+    return go.origins, go.block_stride, go.span_offset, go.span_nbytes
+
+
+def _copy_shape(req: wire.ReadRequest) -> tuple[int, int, int, int]:
+    """What a go's fields depend on besides the server's memory: layers and heads."""
+    return req.layer_start, req.layer_end, req.head_start, req.head_end
+
+
+@dataclass(slots=True)
 class BegunRead:
     """What ``PeerLink.begin`` prepared (and, for a direct read, started)."""
 
@@ -508,6 +691,7 @@ class BegunRead:
     tokens: _TokenWindow
     local_block_ids: Sequence[int]
     direct: _DirectRead | None = None
+    copy: _CopyRead | None = None
 
 
 class _TokenWindow:

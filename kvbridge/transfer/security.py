@@ -65,7 +65,7 @@ from kvbridge.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 2  # 2: direct reads, prompt-bound grants
+PROTOCOL_VERSION: int = 3  # 2: direct reads, prompt-bound grants; 3: same-host copies
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning

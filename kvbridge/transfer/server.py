@@ -17,7 +17,9 @@ Serving one read (``ReadRequest`` with a grant)::
 A direct read (block memory to block memory) of a grant already issued, the
 usual case, is served without a task: the dispatcher checks it and posts every
 chunk as it decodes the request (``_start_direct``); callbacks unpin the grant
-when the sends end or their deadline passes (``_DirectSends``).
+when the sends end or their deadline passes (``_DirectSends``). A same-host
+copy (``local_copy.py``) is answered with ``CopyGo`` the same way; the grant
+stays pinned until the reader's ``CopyDone`` or the hold's end (``_CopyHold``).
 
 The engine hands the grant token to D before its workers have issued it (the
 token travels in the HTTP answer while the next engine step issues it), so a
@@ -57,6 +59,7 @@ from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, Protocol
 from kvbridge.transfer.grants import GrantTable
 from kvbridge.transfer.handshake import Identity, recv_msg, reject, send_msg, serve_handshake
 from kvbridge.transfer.iov import post_send_iov
+from kvbridge.transfer.local_copy import ProbeCell
 from kvbridge.transfer.staging import Buffer, BufferPool
 from kvbridge.transfer.ucp_lib import UcpLibrary
 from kvbridge.transfer.ucx import UcxConnection
@@ -101,6 +104,10 @@ class ServerContext:
     num_bytes_served: int = 0  # KV bytes of reads served to the end
     num_data_bytes_sent: int = 0  # KV bytes handed to UCX on data channels
     num_reads_served: int = 0
+    # Same-host copies: offered in the handshake when set (see ``local_copy.py``).
+    probe: ProbeCell | None = None
+    host: wire.HostInfo | None = None
+    num_holds: int = 0  # same-host copies pinned right now, sessions ended or not
 
 
 @dataclass(eq=False, slots=True)
@@ -109,6 +116,7 @@ class Session:
 
     reads: dict[int, _Read] = field(default_factory=dict)  # xfer id -> credit state
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # reads being served
+    holds: dict[int, _CopyHold] = field(default_factory=dict)  # xfer id -> copy under way
 
 
 class _Read:
@@ -193,7 +201,7 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
     reads, tasks = session.reads, session.tasks
     cfg = ctx.config
     try:
-        metadata = ctx.local.metadata(ctx.me.engine_id, None)
+        metadata = ctx.local.metadata(ctx.me.engine_id, None, ctx.host)
         hello = await serve_handshake(
             conn, ctx.codec, ctx.me, metadata,
             max_nbytes=cfg.max_frame_nbytes, timeout_s=cfg.handshake_timeout_s,
@@ -214,15 +222,19 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     if msg.xfer_id in reads:
                         raise ProtocolError(f"xfer id {msg.xfer_id} reused while in flight")
                     reads[msg.xfer_id] = _Read()
-                    if not _start_direct(ctx, conn, msg, reads, num_readers):
+                    if not _start_direct(ctx, conn, msg, session, num_readers):
                         task = asyncio.create_task(
-                            _serve_read(ctx, conn, msg, reads, num_readers)
+                            _serve_read(ctx, conn, msg, session, num_readers)
                         )
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                 case wire.Credit(xfer_id=xfer_id, num_chunks=num_chunks):
                     if xfer_id in reads:  # else: a read that already failed
                         reads[xfer_id].grant_credit(num_chunks)
+                case wire.CopyDone(xfer_id=xfer_id, ok=ok):
+                    hold = session.holds.get(xfer_id)
+                    if hold is not None:  # else: its hold already ended
+                        hold.end(served=ok)
                 case wire.ReadDone(grant=token, reader_id=reader_id, ok=ok):
                     # Not cancelled with the session: a reader may say goodbye right
                     # after its report, and the report must still count.
@@ -283,6 +295,19 @@ def _grant_reason(exc: Exception) -> wire.RejectReason:
     return R.BAD_REQUEST
 
 
+def _problem(ctx: ServerContext, req: wire.ReadRequest) -> str | None:
+    """Return what is wrong with ``req`` for this server, or None."""
+    if req.local_copy:
+        if ctx.host is None:
+            return "this server offers no same-host copies"
+        if not req.direct:
+            return "a same-host copy must be a direct read"
+        num_origins = (req.layer_end - req.layer_start) * num_planes(ctx.local)
+        if num_origins > wire.MAX_COPY_ORIGINS:
+            return f"same-host copy of {num_origins} planes > limit {wire.MAX_COPY_ORIGINS}"
+    return _check_request(ctx.local, req, 4 * ctx.config.chunk_nbytes)
+
+
 def _check_request(local: LocalKV, req: wire.ReadRequest, max_chunk_nbytes: int) -> str | None:
     """Return what is wrong with ``req`` for this rank, or None."""
     if not 0 <= req.head_start < req.head_end <= local.num_heads:
@@ -314,10 +339,11 @@ def _block_nbytes(local: LocalKV, req: wire.ReadRequest) -> int:
 
 
 async def _serve_read(
-    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, reads: dict[int, _Read],
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, session: Session,
     num_readers: int,
 ) -> None:
-    problem = _check_request(ctx.local, req, 4 * ctx.config.chunk_nbytes)
+    reads = session.reads
+    problem = _problem(ctx, req)
     if problem is not None:
         reads.pop(req.xfer_id, None)
         await reject(conn, ctx.codec, R.BAD_REQUEST, problem, req.xfer_id)
@@ -330,6 +356,16 @@ async def _serve_read(
             logger.warning("read %d from %s names another prompt than its grant", req.xfer_id,
                            conn.peer)
         await reject(conn, ctx.codec, *refusal, req.xfer_id)
+        return
+    if req.local_copy:
+        try:
+            if ctx.config.test_chunk_delay_s:  # test-only knob (see AgentConfig)
+                await asyncio.sleep(ctx.config.test_chunk_delay_s * _num_chunks(req))
+        except BaseException:
+            ctx.grants.end_read(token)
+            reads.pop(req.xfer_id, None)
+            raise
+        _CopyHold(ctx, conn, req, token, session)
         return
     try:
         if req.direct:
@@ -401,13 +437,14 @@ async def _send_chunks(
 
 
 def _start_direct(
-    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, reads: dict[int, _Read],
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, session: Session,
     num_readers: int,
 ) -> bool:
     """Serve a direct read at once, without a task, if nothing about it needs waiting.
 
     The common case: a good request naming a grant this table already knows.
-    Posts every chunk now and finishes in ``_DirectSends`` callbacks. Returns
+    Posts every chunk now and finishes in ``_DirectSends`` callbacks (a
+    same-host copy: answers ``CopyGo`` and pins in a ``_CopyHold``). Returns
     False, with nothing pinned (at most the grant's reader count fixed, as
     ``_serve_read`` would), when ``_serve_read`` must take the request (not
     direct, a test delay, a problem to reject, a grant to wait for or to
@@ -415,7 +452,7 @@ def _start_direct(
     """
     if not req.direct or ctx.config.test_chunk_delay_s:
         return False
-    if _check_request(ctx.local, req, 4 * ctx.config.chunk_nbytes) is not None:
+    if _problem(ctx, req) is not None:
         return False
     token = ctx.aliases.get(req.grant, req.grant)
     if not ctx.grants.is_known(token):
@@ -423,7 +460,10 @@ def _start_direct(
     _fix_readers(ctx, token, num_readers)
     if _pin(ctx, token, req) is not None:
         return False
-    _DirectSends(ctx, conn, req, token, reads)
+    if req.local_copy:
+        _CopyHold(ctx, conn, req, token, session)
+    else:
+        _DirectSends(ctx, conn, req, token, session.reads)
     return True
 
 
@@ -483,6 +523,61 @@ class _DirectSends:
             self._conn.abort()  # the reader may hold posted receives for chunks we never send
         ctx.grants.end_read(self._token)
         self._reads.pop(req.xfer_id, None)
+
+
+class _CopyHold:
+    """A same-host copy under way: ``CopyGo`` sent, the grant pinned until it ends.
+
+    Ends exactly once: by the reader's ``CopyDone`` or by the hold's end
+    (``chunk_timeout_s`` per chunk, announced in ``CopyGo`` as ``hold_s``; the
+    reader drops a copy that ended later). It outlives its session: a reader
+    whose connection broke may still be copying, so only the clock unpins then.
+    """
+
+    def __init__(
+        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, token: str,
+        session: Session,
+    ) -> None:
+        self._ctx, self._req, self._token, self._session = ctx, req, token, session
+        self._ended = False
+        local = ctx.local
+        span = head_span(local, req.head_start, req.head_end)
+        assert span is not None  # _check_request
+        hold_s = ctx.config.chunk_timeout_s * _num_chunks(req)
+        # Started before the reader can hear of it: the reader times from before it asked.
+        self._timer = asyncio.get_running_loop().call_later(hold_s, self._late)
+        session.holds[req.xfer_id] = self
+        ctx.num_holds += 1
+        origins = local.plane_origins(slice(req.layer_start, req.layer_end))
+        go = wire.CopyGo(req.xfer_id, origins.tobytes(), local.plane_block_nbytes, span.offset,
+                         span.nbytes, hold_s)
+        try:
+            conn.post_frame(ctx.codec.encode(go)).add_done_callback(_ignore_outcome)
+        except TransferError as exc:  # the connection is gone; the reader may not know yet
+            logger.info("copy go %d for %s not sent: %s", req.xfer_id, conn.peer, exc)
+
+    def _late(self) -> None:
+        logger.info("same-host copy %d: no CopyDone within its hold", self._req.xfer_id)
+        self.end(served=False)
+
+    def end(self, *, served: bool) -> None:
+        """Unpin the grant (once); ``served``: the reader copied it all."""
+        if self._ended:
+            return
+        self._ended = True
+        self._timer.cancel()
+        ctx, req = self._ctx, self._req
+        if served:
+            ctx.num_bytes_served += _direct_nbytes(ctx.local, req)
+            ctx.num_reads_served += 1
+        ctx.num_holds -= 1
+        ctx.grants.end_read(self._token)
+        self._session.holds.pop(req.xfer_id, None)
+        self._session.reads.pop(req.xfer_id, None)
+
+
+def _num_chunks(req: wire.ReadRequest) -> int:
+    return math.ceil(len(req.block_ids) / req.chunk_blocks)
 
 
 def _direct_chunks(local: LocalKV, req: wire.ReadRequest) -> list[tuple[int, IovArray]]:

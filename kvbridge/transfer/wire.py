@@ -16,6 +16,14 @@ Conversation on one connection (reader R, server S)::
     R -> S  Credit(xfer_id, k)     receives for chunks < k are posted
     S => R  chunk i < k on data channel (xfer_id, i) (raw bytes, no framing)
     R -> S  ReadDone(grant, reader id, ok)      (also sent by notify-only readers)
+
+Same host (``local_copy.py``; offered in ``AgentMetadata.host``)::
+
+    R -> S  ReadRequest(..., direct, local_copy)
+    S -> R  CopyGo(xfer_id, where the blocks are, hold_s)   or Reject(xfer_id, reason)
+    R       copies the blocks out of S's memory itself (process_vm_readv)
+    R -> S  CopyDone(xfer_id, ok)          S unpins (or at hold_s, whichever first)
+
     R -> S  RenewLease(grant, lease_s)   S -> R LeaseRenewed(grant, remaining_s)
     either  Ping(seq) / Pong(seq)         heartbeats on idle connections
     either  Bye(reason)                   graceful close
@@ -34,9 +42,12 @@ __all__ = [
     "AgentMetadata",
     "Bye",
     "Challenge",
+    "CopyDone",
+    "CopyGo",
     "Credit",
     "DataHeader",
     "Hello",
+    "HostInfo",
     "LeaseRenewed",
     "Message",
     "MessageCodec",
@@ -62,6 +73,9 @@ XferId = Annotated[int, msgspec.Meta(ge=1, le=MAX_XFER_ID)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
 Blob = Annotated[bytes, msgspec.Meta(max_length=_MAX_BYTES_LEN)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
+Address = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+#: Plane addresses one CopyGo may carry (8 bytes each): 4096 layers' K and V.
+MAX_COPY_ORIGINS = 8192
 
 
 class RejectReason(StrEnum):
@@ -114,6 +128,21 @@ class Hello(_Msg, tag="hello"):
     topology: TopologyInfo | None = None  # None: an old reader; the server assumes 1 reader
 
 
+class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """Who a server is on its host, for same-host copies (``local_copy.py``).
+
+    A reader on the same host (same boot, same pid namespace) copies ``probe``
+    from ``probe_address`` of process ``pid`` and compares before it trusts
+    ``pid`` with its reads.
+    """
+
+    boot_id: Annotated[str, msgspec.Meta(max_length=64)]
+    pid_namespace: Annotated[str, msgspec.Meta(max_length=64)]
+    pid: Positive
+    probe_address: Address
+    probe: Blob
+
+
 class AgentMetadata(_Msg, tag="metadata"):
     """What a reader must know about a server rank to plan and size reads."""
 
@@ -135,6 +164,7 @@ class AgentMetadata(_Msg, tag="metadata"):
     elem_nbytes: Positive
     is_mla: bool
     proof: Blob | None = None
+    host: HostInfo | None = None  # None: no same-host copies from this server
 
 
 class Reject(_Msg, tag="reject"):
@@ -156,12 +186,37 @@ class ReadRequest(_Msg, tag="read"):
     # no DataHeader); the reader posted receives straight into its own blocks.
     direct: bool = False
     prompt_digest: Blob = b""  # the reader's prompt (security.prompt_digest); b"": none
+    # True (with direct): the reader copies the blocks itself (same host, CopyGo).
+    local_copy: bool = False
 
 
 class DataHeader(_Msg, tag="data"):
     xfer_id: XferId
     num_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
     total_nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+
+
+class CopyGo(_Msg, tag="copy_go"):
+    """The grant is pinned for ``hold_s``: copy the read's blocks from here.
+
+    Block ``b`` of plane ``p`` (planes in the order of ``direct.block_ranges``)
+    holds the read's heads at ``origins[p] + b * block_stride + span_offset``,
+    ``span_nbytes`` long.
+    """
+
+    xfer_id: XferId
+    origins: Annotated[bytes, msgspec.Meta(min_length=8, max_length=8 * MAX_COPY_ORIGINS)]
+    block_stride: Positive
+    span_offset: Count
+    span_nbytes: Positive
+    hold_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+
+
+class CopyDone(_Msg, tag="copy_done"):
+    """The reader is done copying (``ok=False``: it gave up); the server unpins."""
+
+    xfer_id: XferId
+    ok: bool = True
 
 
 class Credit(_Msg, tag="credit"):
@@ -206,6 +261,8 @@ Message = (
     | Reject
     | ReadRequest
     | DataHeader
+    | CopyGo
+    | CopyDone
     | Credit
     | ReadDone
     | RenewLease

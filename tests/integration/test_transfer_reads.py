@@ -100,7 +100,9 @@ def read(
 
 # Which scenarios read direct (block memory to block memory, no staging): same
 # layout, block size and dtype, and the moved heads one run per block plane.
-DIRECT = {"mla_p2_to_d1", "hnd_p2_to_d1_direct", "hnd_p1_to_d2_direct", "nhd_same_chunked"}
+# Those not named *_ucx copy out of the server's process (same host, local_copy.py).
+DIRECT = {"mla_p2_to_d1", "hnd_p2_to_d1_direct", "hnd_p1_to_d2_direct", "nhd_same_chunked",
+          "hnd_p2_to_d1_ucx", "nhd_same_chunked_ucx", "mla_p2_to_d1_ucx"}
 
 SCENARIOS = {
     # P TP2 -> D TP1, NHD -> HND, P blocks of 16 -> D blocks of 32
@@ -145,6 +147,23 @@ SCENARIOS = {
         Spec("d-g", tp_size=1, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
         16 * 7 + 9,
     ),
+    # the direct ones again, through UCX (the reader copies nothing itself)
+    "hnd_p2_to_d1_ucx": (
+        Spec("p-e2", tp_size=2, layout="HND", seed=15),
+        Spec("d-e2", tp_size=1, layout="HND", config={"local_copy": False}),
+        16 * 5 + 3,
+    ),
+    "nhd_same_chunked_ucx": (
+        Spec("p-g2", tp_size=1, seed=17, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
+        Spec("d-g2", tp_size=1, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2,
+                                        "local_copy": False}),
+        16 * 7 + 9,
+    ),
+    "mla_p2_to_d1_ucx": (
+        Spec("p-c2", tp_size=2, is_mla=True, seed=13, config={"local_copy": False}),
+        Spec("d-c2", tp_size=1, is_mla=True),
+        16 * 4,
+    ),
     # NHD both sides but D holds P's heads of two ranks: strided, so staged
     "nhd_p2_to_d1_staged": (
         Spec("p-h", tp_size=2, seed=8),
@@ -177,6 +196,8 @@ def test_read_matches_source(hosts: tuple[Host, Host], name: str) -> None:
             assert all(s.ok and s.num_remote_ranks >= 1 for s in outcome["stats"])
             num_direct = sum(s.num_direct for s in outcome["stats"])
             assert (num_direct > 0) == (name in DIRECT), outcome["stats"]
+            num_copies = sum(s.num_local_copies for s in outcome["stats"])
+            assert num_copies == (num_direct if not name.endswith("_ucx") else 0)
         got = gather_logical(d_engine, d_blocks, num_tokens)
         want = gather_logical(p_engine, p_blocks, num_tokens)
         assert got.shape == want.shape

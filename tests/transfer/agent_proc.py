@@ -145,6 +145,8 @@ def _child(conn: Connection) -> None:
             return None
         if cmd == "grant_stats":
             return agent.grants.stats(), len(agent.grants)
+        if cmd == "counters":
+            return agent.counters()
         if cmd == "close":
             agent.close()
             del agents[name]

@@ -19,12 +19,19 @@ SAMPLES: list[wire.Message] = [
     wire.ReadRequest(7, "tok" * 8, [1, 5, 9], 0, 4, 0, 2, 16),
     wire.DataHeader(7, 3, 1 << 30),
     wire.Credit(7, 2),
+    wire.CopyGo(7, bytes(range(16)), 4096, 512, 1024, 10.0),
+    wire.CopyDone(7, False),
+    wire.ReadRequest(8, "tok" * 8, [2], 0, 4, 0, 2, 16, direct=True, local_copy=True),
     wire.ReadDone("tok" * 8, "decode:0", False),
     wire.RenewLease("tok" * 8, 30.0),
     wire.LeaseRenewed("tok" * 8, 29.5),
     wire.Ping(1),
     wire.Pong(1),
     wire.Bye("closing"),
+    wire.AgentMetadata(
+        "prefill", 2, 1, 1, 0, 16, "NHD", 64, 4, 4, [4096] * 4, 8, 4, 64, "bfloat16", 2, False,
+        host=wire.HostInfo("boot", "4:4026531836", 1234, 0x7F0000001000, b"p" * 16),
+    ),
 ]
 
 
@@ -43,6 +50,12 @@ def test_round_trip(msg: wire.Message) -> None:
         msgspec.msgpack.encode({"kind": "read", "xfer_id": 0, "grant": "g", "block_ids": [1],
                                 "head_start": 0, "head_end": 1, "layer_start": 0,
                                 "layer_end": 1, "chunk_blocks": 1}),  # xfer id 0
+        msgspec.msgpack.encode({"kind": "copy_go", "xfer_id": 1, "origins": b"",
+                                "block_stride": 1, "span_offset": 0, "span_nbytes": 1,
+                                "hold_s": 1.0}),  # no origins
+        msgspec.msgpack.encode({"kind": "copy_go", "xfer_id": 1, "origins": bytes(8),
+                                "block_stride": 1, "span_offset": 0, "span_nbytes": 1,
+                                "hold_s": 0.0}),  # no hold
         CODEC.encode(wire.Ping(5))[:-1],  # truncated
         b"",
     ],

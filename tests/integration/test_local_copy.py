@@ -1,0 +1,242 @@
+"""Same-host copies between agents in real processes: the protocol, its holds, its failures.
+
+The serving agent runs in a child process. Some tests drive it from a raw UCX
+client in this process (handshake helpers, ``CopySource``), to see exactly what
+the server says and pins; the others use a reader agent in a second child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.transfer import wire
+from kvbridge.transfer.direct import block_offsets, plane_ranges
+from kvbridge.transfer.local_copy import CopySource
+from tests.integration.test_transfer_faults import CODEC, MAX_FRAME, connect, me
+from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from tests.ports import free_port_base
+from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
+
+pytestmark = pytest.mark.integration
+
+SECRET = b"correct horse battery staple 123"  # as test_transfer_faults' me()
+P_SPEC = Spec("p-x", seed=11, secret=SECRET, config={"lease_s": 30.0})
+D_SPEC = Spec("d-x", seed=-1, secret=SECRET)
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[Host, Host]]:
+    p_host, d_host = Host(), Host()
+    try:
+        yield p_host, d_host
+    finally:
+        p_host.close()
+        d_host.close()
+
+
+def add(host: Host, spec: Spec, **config: Any) -> AgentRef:
+    return host.add(replace(spec, port=free_port_base(1), config={**spec.config, **config}))
+
+
+def wait_counter(agent: AgentRef, name: str, value: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while getattr(agent.call("counters"), name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+def read_ok(server: AgentRef, reader: AgentRef, request_id: str, blocks: list[int],
+            local: list[int]) -> Any:
+    token = issue([server], request_id, blocks, 1)
+    read([reader], [server], request_id, token, blocks, local, 16 * len(blocks))
+    outcome = wait_read(reader, request_id)
+    assert outcome["failed"] == set(), outcome["stats"]
+    got = logical(reader.call("caches"), reader.spec, local, 16 * len(blocks))
+    assert torch.equal(got, logical(server.call("caches"), server.spec, blocks,
+                                    16 * len(blocks)))
+    [stats] = outcome["stats"]
+    return stats
+
+
+def test_raw_reader_copies_what_the_go_says_and_copy_done_unpins(
+    hosts: tuple[Host, Host],
+) -> None:
+    server = add(hosts[0], P_SPEC)
+    blocks = [9, 3, 40]
+    token = issue([server], "raw", blocks, 1)
+    want = logical(server.call("caches"), server.spec, blocks, 48)
+
+    async def copy() -> tuple[torch.Tensor, int]:
+        worker, conn = await connect(server.port)
+        try:
+            meta = await reader_handshake_meta(conn)
+            assert meta.host is not None
+            source = CopySource.open(meta.host, conn.peer)
+            assert source is not None
+            request = wire.ReadRequest(7, token, blocks, 0, 8, 0, 4, 8, direct=True,
+                                       local_copy=True)
+            await send(conn, request)
+            go = await recv(conn)
+            assert isinstance(go, wire.CopyGo) and go.xfer_id == 7, go
+            holds = server.call("counters").num_copy_holds
+            origins = np.frombuffer(go.origins, dtype=np.uint64)
+            assert origins.size == 4 * 2  # 4 layers, K and V
+            remote = plane_ranges(origins, block_offsets(np.array(blocks), go.block_stride,
+                                                         go.span_offset), go.span_nbytes)
+            # [layer, kv, block, token, head, dim], in the order of the ranges
+            out = torch.zeros(4, 2, len(blocks), 16, 8, 64, dtype=torch.bfloat16)
+            local = plane_ranges(np.array([out.data_ptr()], dtype=np.uint64),
+                                 np.arange(remote.shape[0], dtype=np.uint64) * go.span_nbytes,
+                                 go.span_nbytes)
+            source.readv(local, remote)
+            await send(conn, wire.CopyDone(7, True))
+            await send(conn, wire.ReadDone(token, "raw-reader", True))
+            return out, holds
+        finally:
+            await asyncio.sleep(0.2)
+            conn.abort()
+            await worker.close()
+
+    out, holds_during = asyncio.run(copy())
+    assert holds_during == 1
+    got = out.reshape(4, 2, 48, 8, 64)  # blocks in a row are the tokens in a row
+    assert torch.equal(got, want)
+    wait_released(server, "raw")  # done by its one reader
+    stats, live = server.call("grant_stats")
+    assert (stats.num_released_done, live) == (1, 0)
+    counters = server.call("counters")
+    assert (counters.num_copy_holds, counters.num_reads_served) == (0, 1)
+
+
+async def reader_handshake_meta(conn: Any) -> wire.AgentMetadata:
+    from kvbridge.transfer.handshake import reader_handshake
+
+    return await reader_handshake(conn, CODEC, me(), "p-x", 0, max_nbytes=MAX_FRAME,
+                                  timeout_s=5)
+
+
+async def send(conn: Any, msg: wire.Message) -> None:
+    from kvbridge.transfer.handshake import send_msg
+
+    await send_msg(conn, CODEC, msg, 5.0)
+
+
+async def recv(conn: Any) -> wire.Message:
+    from kvbridge.transfer.handshake import recv_msg
+
+    return await recv_msg(conn, CODEC, MAX_FRAME, 5.0)
+
+
+def test_a_copy_never_reported_done_is_unpinned_at_its_hold(hosts: tuple[Host, Host]) -> None:
+    """A reader that got its go and went quiet (connection dropped, no CopyDone) holds
+    the grant only until the hold ends; then the lease releases it, once."""
+    server = add(hosts[0], P_SPEC, chunk_timeout_s=1.0)
+    token = secrets.token_urlsafe(16)
+    server.call("issue", "quiet", [4, 5], 1, 0.5, token)
+
+    async def ask_and_leave() -> wire.Message:
+        worker, conn = await connect(server.port)
+        try:
+            await reader_handshake_meta(conn)
+            await send(conn, wire.ReadRequest(1, token, [4, 5], 0, 8, 0, 4, 8, direct=True,
+                                              local_copy=True))
+            return await recv(conn)
+        finally:
+            conn.abort()
+            await worker.close()
+
+    go = asyncio.run(ask_and_leave())
+    assert isinstance(go, wire.CopyGo) and go.hold_s == pytest.approx(1.0)
+    time.sleep(0.7)  # past the lease, inside the hold: pinned
+    assert server.call("counters").num_copy_holds == 1
+    assert "quiet" not in server.call("poll")[0]
+    wait_released(server, "quiet", timeout_s=5.0)
+    stats, live = server.call("grant_stats")
+    assert (stats.num_released_expired, live) == (1, 0)
+    wait_counter(server, "num_copy_holds", 0, 2.0)
+
+
+@pytest.mark.parametrize("case", ["not_offered", "not_direct"])
+def test_a_copy_the_server_cannot_serve_is_rejected(hosts: tuple[Host, Host], case: str) -> None:
+    server = add(hosts[0], P_SPEC, local_copy=case != "not_offered")
+    token = issue([server], "refused", [1, 2], 1)
+
+    async def ask() -> tuple[wire.AgentMetadata, wire.Message]:
+        worker, conn = await connect(server.port)
+        try:
+            meta = await reader_handshake_meta(conn)
+            await send(conn, wire.ReadRequest(1, token, [1, 2], 0, 8, 0, 4, 8,
+                                              direct=case != "not_direct", local_copy=True))
+            return meta, await recv(conn)
+        finally:
+            conn.abort()
+            await worker.close()
+
+    meta, reply = asyncio.run(ask())
+    assert (meta.host is None) == (case == "not_offered")
+    assert isinstance(reply, wire.Reject) and reply.reason == wire.RejectReason.BAD_REQUEST
+    assert server.call("counters").num_copy_holds == 0
+    reader = add(hosts[1], D_SPEC)
+    stats = read_ok(server, reader, "after", [6, 7], [10, 11])
+    assert stats.num_local_copies == (0 if case == "not_offered" else 1)
+
+
+@pytest.mark.parametrize("side", ["server", "reader"])
+def test_either_side_can_turn_copies_off(hosts: tuple[Host, Host], side: str) -> None:
+    server = add(hosts[0], P_SPEC, local_copy=side != "server")
+    reader = add(hosts[1], D_SPEC, local_copy=side != "reader")
+    stats = read_ok(server, reader, "ucx", [2, 9, 30], [5, 6, 7])
+    assert (stats.num_direct, stats.num_local_copies) == (1, 0)
+    assert server.call("counters").num_data_bytes_sent > 0  # through UCX
+
+
+def test_copies_after_the_first_start_before_the_go_and_stay_exact(
+    hosts: tuple[Host, Host],
+) -> None:
+    """The second read of a shape copies while the server checks; the bytes must still be
+    the server's, also after the server's caches were rewritten between reads."""
+    server = add(hosts[0], P_SPEC)
+    reader = add(hosts[1], D_SPEC)
+    for n, blocks in enumerate([[1, 2, 3], [7, 8, 9], [3, 1, 2]]):
+        stats = read_ok(server, reader, f"again-{n}", blocks, [20, 21, 22])
+        assert stats.num_local_copies == 1
+        reader.call("zero")
+    assert server.call("counters").num_data_bytes_sent == 0  # nothing went through UCX
+
+
+def test_a_copy_that_outlives_its_hold_is_dropped(hosts: tuple[Host, Host]) -> None:
+    """The reader keeps copied bytes only if the copy ended inside the server's hold."""
+    server = add(hosts[0], P_SPEC, chunk_timeout_s=1e-4)  # a hold no copy can meet
+    reader = add(hosts[1], D_SPEC)
+    token = issue([server], "late", [3, 4], 1)
+    read([reader], [server], "late", token, [3, 4], [8, 9], 32)
+    outcome = wait_read(reader, "late")
+    assert outcome["failed"] == {8, 9}
+    [stats] = outcome["stats"]
+    assert not stats.ok and "hold" in stats.error, stats
+    wait_counter(server, "num_copy_holds", 0, 2.0)
+
+
+def test_a_server_gone_before_the_copy_fails_it_fast(hosts: tuple[Host, Host]) -> None:
+    """With the link up and the go's shape known, the copy starts before any answer: a
+    dead server is found by the copy itself (no such process), not by a timeout."""
+    p_host, d_host = hosts
+    server = add(p_host, P_SPEC)
+    reader = add(d_host, replace(D_SPEC, config={"reply_timeout_s": 30.0, "heartbeat_s": 10.0}))
+    read_ok(server, reader, "first", [1, 2], [3, 4])
+    token = issue([server], "second", [1, 2], 1)
+    p_host.kill()
+    started = time.monotonic()
+    read([reader], [server], "second", token, [1, 2], [3, 4], 32)
+    outcome = wait_read(reader, "second", timeout_s=20.0)
+    assert outcome["failed"] == {3, 4}
+    assert time.monotonic() - started < 10.0, outcome["stats"]
