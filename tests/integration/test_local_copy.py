@@ -24,7 +24,7 @@ from kvbridge.transfer.local_copy import CopySource
 from tests.integration.test_transfer_faults import CODEC, MAX_FRAME, connect, me
 from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
-from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
+from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +35,8 @@ D_SPEC = Spec("d-x", seed=-1, secret=SECRET)
 
 @pytest.fixture
 def hosts() -> Iterator[tuple[Host, Host]]:
-    p_host, d_host = Host(), Host()
-    try:
-        yield p_host, d_host
-    finally:
-        p_host.close()
-        d_host.close()
+    with host_pair() as pair:
+        yield pair
 
 
 def add(host: Host, spec: Spec, **config: Any) -> AgentRef:

@@ -17,19 +17,15 @@ import pytest
 import torch
 
 from tests.ports import free_port_base
-from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
+from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[tuple[Host, Host]]:
-    p_host, d_host = Host(), Host()
-    try:
-        yield p_host, d_host
-    finally:
-        p_host.close()
-        d_host.close()
+    with host_pair() as pair:
+        yield pair
 
 
 def start_engine(host: Host, spec: Spec) -> list[AgentRef]:

@@ -9,6 +9,8 @@ wedged agent fails the test instead of hanging it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -173,6 +175,17 @@ class Host(ChildHost):
         name = f"{spec.engine_id}/{spec.tp_rank}"
         port = self.call("add", name, spec)
         return AgentRef(self, name, spec, port)
+
+
+@contextmanager
+def host_pair() -> Iterator[tuple[Host, Host]]:
+    """``(p_host, d_host)``: two agent hosts, closed on exit (for fixtures)."""
+    p_host, d_host = Host(), Host()
+    try:
+        yield p_host, d_host
+    finally:
+        p_host.close()
+        d_host.close()
 
 
 @dataclass
