@@ -264,11 +264,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     p_http, p_transfer, d_transfer = reserve_ports([1, 1, 1])  # disjoint, below ephemeral
     p = Proc("prefill", [*common, "--port", str(p_http), "--role", "prefill", "--block-size",
                          "16", "--kv-layout", "NHD", "--num-blocks", "96", "--transfer-port",
-                         str(p_transfer), "--engine-id", "soak-p", "--lease", str(args.lease)],
+                         str(p_transfer), "--engine-id", "soak-p", "--lease", str(args.lease),
+                         *_options(args.prefill_option)],
              log_dir / "prefill.log")
     d = Proc("decode", [*common, "--port", "0", "--role", "decode", "--block-size", "32",
                         "--kv-layout", "HND", "--num-blocks", "48", "--transfer-port",
-                        str(d_transfer)], log_dir / "decode.log")
+                        str(d_transfer), *_options(args.decode_option)], log_dir / "decode.log")
     c = Proc("colocated", [*common, "--port", "0", "--num-blocks", "96"],
              log_dir / "colocated.log")
     procs = [p, d, c]
@@ -290,6 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _options(values: list[str]) -> list[str]:
+    """``--transfer-option`` arguments for a server, one per ``NAME=VALUE``."""
+    return [arg for value in values for arg in ("--transfer-option", value)]
 
 
 def _load(args: argparse.Namespace, p: Proc, engines: dict[str, Proc], x: Proc,
@@ -356,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=float, default=60.0,
                         help="longest wait for every engine to free all blocks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a transfer option of P (as serve --transfer-option), e.g. "
+                             "test_chunk_delay_s=0.05 to widen the reads the kill lands in")
+    parser.add_argument("--decode-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a transfer option of D (as serve --transfer-option)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)

@@ -575,8 +575,18 @@ class UcxConnection:
         """
         await self._wait(self.post_send(buf, channel, busy=busy), timeout_s, "send")
 
-    def post_recv(self, buf: Bytes, channel: int, *, busy: bool = True) -> asyncio.Future[None]:
+    def post_recv(
+        self, buf: Bytes, channel: int, *, busy: bool = True, exact: bool = True
+    ) -> asyncio.Future[None]:
         """Post a receive of exactly ``buf.nbytes`` bytes; await the result with ``wait``.
+
+        A message of any other length fails the future with ``ProtocolError``.
+        That includes the empty message ``abort`` sends to end the receives
+        still posted on this connection (``complete_abandoned``): unchecked, it
+        would look like data that arrived, and the buffer's old contents (a
+        staging buffer's last chunk: another request's KV) would be used as it.
+        ``exact=False`` accepts up to ``buf.nbytes`` (control frames, which
+        carry their own length and CRC).
 
         The buffer belongs to UCX until the future resolves; if the caller gives
         up waiting it must abort the connection and never reuse the buffer.
@@ -586,7 +596,7 @@ class UcxConnection:
         lib = self._worker.ucp
         value = lib.tag_recv_nbx(self.worker_handle, buf.ctypes.data, buf.nbytes,
                                  self._tag_value(self.local_id, channel), _TAG_MASK_FULL, _CONTIG)
-        request = UcpRequest(lib, value, f"recv from {self.peer}", None)
+        request = UcpRequest(lib, value, f"recv from {self.peer}", buf.nbytes if exact else None)
         self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
         self._recvs.append((self._tag(self.local_id, channel), request))
         return self._worker.track(request, buf, busy=busy)
@@ -595,9 +605,11 @@ class UcxConnection:
         """Await a posted operation with a deadline (raises ``PeerTimeoutError``)."""
         await self._wait(future, timeout_s, what)
 
-    async def recv(self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True) -> None:
-        """Receive exactly ``buf.nbytes`` bytes on ``channel`` into ``buf``."""
-        await self._wait(self.post_recv(buf, channel, busy=busy), timeout_s, "recv")
+    async def recv(
+        self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True, exact: bool = True
+    ) -> None:
+        """Receive exactly ``buf.nbytes`` bytes on ``channel`` into ``buf`` (see ``post_recv``)."""
+        await self._wait(self.post_recv(buf, channel, busy=busy, exact=exact), timeout_s, "recv")
 
     def post_frame(self, payload: bytes) -> asyncio.Future[None]:
         """Post one control frame (length and CRC prepended) on channel 0; see ``post_send``."""
@@ -620,7 +632,7 @@ class UcxConnection:
             self._frame_buf = np.empty(max_nbytes + _FRAME_HEADER.size, dtype=np.uint8)
         buf = self._frame_buf
         buf[: _FRAME_HEADER.size] = 0
-        await self.recv(buf, 0, timeout_s=timeout_s, busy=False)
+        await self.recv(buf, 0, timeout_s=timeout_s, busy=False, exact=False)
         nbytes, crc = _FRAME_HEADER.unpack(buf[: _FRAME_HEADER.size].tobytes())
         if nbytes > max_nbytes:
             raise ProtocolError(f"frame from {self.peer} claims {nbytes} bytes > {max_nbytes}")

@@ -91,3 +91,44 @@ def test_reader_of_expired_lease_reports_failure() -> None:
     finally:
         p_host.close()
         d_host.close()
+
+
+def test_staged_read_cut_while_its_chunk_is_due_fails_instead_of_using_old_bytes() -> None:
+    """P dies after its data header, before the chunk: the read must fail.
+
+    The soak's ``wrong`` answers: when the link to a dead P is aborted, the
+    abort ends the receives still posted on it with an empty message
+    (``UcxWorker.complete_abandoned``). A staged read waiting for its last chunk
+    took that for the chunk and unpacked the staging buffer as it was: the
+    previous read's bytes, i.e. another request's KV, reported as loaded
+    (``ok``, no failed blocks), then cached in D's prefix cache.
+    """
+    p_host, d_host = Host(), Host()
+    try:
+        # P delays each chunk after its header; D stages (other block size and layout)
+        server = p_host.add(Spec("p-cut", seed=5, port=free_port_base(1),
+                                 config={"test_chunk_delay_s": 3.0}))
+        reader = d_host.add(Spec("d-cut", seed=-1, port=free_port_base(1), layout="HND",
+                                 block_size=32, config={**FAST, "chunk_timeout_s": 10.0,
+                                                        "read_timeout_s": 30.0}))
+        # a first read leaves its bytes in the staging buffer the next read takes
+        token = issue([server], "first", [1, 2, 3, 4], 1)
+        read([reader], [server], "first", token, [1, 2, 3, 4], [3, 4], 64)
+        assert wait_read(reader, "first")["failed"] == set()
+        token = issue([server], "cut", [5, 6, 7, 8], 1)
+        read([reader], [server], "cut", token, [5, 6, 7, 8], [10, 11], 64)
+        deadline = time.monotonic() + 10.0
+        while server.call("counters").num_read_tasks == 0:  # the read is being served
+            assert time.monotonic() < deadline, "the read never reached the server"
+            time.sleep(0.02)
+        time.sleep(0.5)  # header answered, chunk receive posted; the chunk is 3 s away
+        p_host.kill()
+        outcome = wait_read(reader, "cut", timeout_s=20.0)
+        assert outcome["failed"] == {10, 11}, outcome
+        assert not any(s.ok for s in outcome["stats"]), outcome
+        got = logical(reader.call("caches"), reader.spec, [10, 11], 64)
+        first = logical(reader.call("caches"), reader.spec, [3, 4], 64)
+        assert not torch.equal(got, first), "the cut read unpacked the first read's bytes"
+    finally:
+        p_host.close()
+        d_host.close()
