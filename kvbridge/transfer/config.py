@@ -22,7 +22,7 @@ from kvbridge.topology import EngineTopology
 from kvbridge.transfer import wire
 
 #: ``AgentConfig`` fields for which 0 means "off" rather than an invalid value.
-_ZERO_ALLOWED = frozenset({"test_chunk_delay_s"})
+_ZERO_ALLOWED = frozenset({"test_chunk_delay_s", "local_copy_min_nbytes"})
 _BOOLS = frozenset({"direct_reads", "local_copy"})
 
 
@@ -57,6 +57,10 @@ class AgentConfig:
             direct read's blocks out of the server's memory itself (one pass,
             ``local_copy.py``) instead of receiving them through UCX. Also off
             with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
+        local_copy_min_nbytes: smaller direct reads go through UCX even on one
+            host. Below a few MiB a copy ends sooner than the two-process
+            pipeline of UCX's shared memory, but the server's answer, which it
+            must wait for, arrives no sooner (docs/benchmarks.md): UCX is as fast.
         copy_threads: threads one same-host copy is split over (large reads).
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
@@ -81,6 +85,7 @@ class AgentConfig:
     grant_wait_s: float = 2.0
     direct_reads: bool = True
     local_copy: bool = True
+    local_copy_min_nbytes: int = 4 << 20
     copy_threads: int = 2
     test_chunk_delay_s: float = 0.0
 

@@ -39,6 +39,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -145,6 +146,7 @@ class CopySource:
         self._probe_iov = np.array([[info.probe_address, len(info.probe)]], dtype=np.uint64)
         self._got = np.zeros(len(info.probe), dtype=np.uint8)
         self._got_iov = np.array([[self._got.ctypes.data, self._got.size]], dtype=np.uint64)
+        self._iov_pointers = (self._got_iov.ctypes.data, self._probe_iov.ctypes.data)
 
     @classmethod
     def open(cls, info: wire.HostInfo | None, peer: str) -> CopySource | None:
@@ -171,11 +173,16 @@ class CopySource:
             PeerClosedError: the process is gone or is another one now.
             CopyRefusedError: the kernel refuses the copy.
         """
+        assert _readv is not None
         self._got[:] = 0
-        try:
-            self.readv(self._got_iov, self._probe_iov)
-        except ProtocolError as exc:  # nothing mapped there: not the process that offered
-            raise PeerClosedError(f"pid {self.pid} is no longer the server: {exc}") from None
+        got_iov, probe_iov = self._iov_pointers
+        got = _readv(self.pid, got_iov, 1, probe_iov, 1, 0)
+        if got != len(self._probe):
+            code = ctypes.get_errno() if got < 0 else 0
+            if code == errno.EPERM:
+                raise CopyRefusedError(f"copy from pid {self.pid}: {os.strerror(code)}")
+            raise PeerClosedError(f"pid {self.pid} is no longer the server "
+                                  f"({os.strerror(code) if code else 'short probe'})")
         if self._got.tobytes() != self._probe:
             raise PeerClosedError(f"pid {self.pid} is no longer the server (probe differs)")
 
@@ -225,16 +232,24 @@ class Copier:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, source: CopySource, local: IovArray, remote: IovArray) -> CopyRun:
+    def num_parts(self, nbytes: int) -> int:
+        """How many threads a copy of ``nbytes`` is split over (1: the caller's alone)."""
+        return max(1, min(self.threads, nbytes // MIN_PART_NBYTES))
+
+    def start(
+        self, source: CopySource, local: IovArray, remote: IovArray,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> CopyRun:
         """Copy row for row (``local[i]`` and ``remote[i]`` have one length).
 
         Large copies are split: the other parts go to helper threads and the
-        first runs here, before this returns. Pass the result to ``finish``, or
-        to ``abandon``. Never raises: an error is kept for ``finish``.
+        first runs here, before this returns. ``meanwhile`` is called between
+        the two (while the helpers wake up); if it raises, the helpers are
+        waited for and its error propagates. Pass the result to ``finish``, or
+        to ``abandon``. Otherwise never raises: a copy error is kept for ``finish``.
         """
         rows = len(local)
-        nbytes = int(local[:, 1].sum()) if rows else 0
-        parts = max(1, min(self.threads, rows, nbytes // MIN_PART_NBYTES))
+        parts = min(rows, self.num_parts(int(local[:, 1].sum()) if rows else 0))
         bounds = [rows * k // parts for k in range(parts + 1)]
         others: list[Future[None]] = []
         if parts > 1:
@@ -243,6 +258,12 @@ class Copier:
                                                 thread_name_prefix="kvbridge-local-copy")
             others = [self._pool.submit(source.readv, local[a:b], remote[a:b])
                       for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException:
+                futures_wait(others)
+                raise
         error: BaseException | None = None
         try:
             source.readv(local[: bounds[1]], remote[: bounds[1]])

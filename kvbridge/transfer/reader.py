@@ -335,8 +335,9 @@ class PeerLink:
         begun = BegunRead(item, request, wire_fmt, tokens, local_block_ids)
         if local_span is not None:
             local_ids = local_block_ids[tokens.first_local_block :][:num_blocks]
-            if self.copy_source is not None:
-                begun.copy = self._begin_copy(request, item, local_ids, local_span)
+            nbytes = num_blocks * len(item.local_layers) * num_planes(ctx.local) * local_span.nbytes
+            if self.copy_source is not None and nbytes >= ctx.config.local_copy_min_nbytes:
+                begun.copy = self._begin_copy(request, item, local_ids, local_span, nbytes)
             else:
                 begun.direct = self._begin_direct(request, item, local_ids, local_span)
         return begun
@@ -401,7 +402,7 @@ class PeerLink:
 
     def _begin_copy(
         self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
-        span: HeadSpan,
+        span: HeadSpan, nbytes: int,
     ) -> _CopyRead:
         """Ask for a same-host copy; when an earlier go tells where, copy at once.
 
@@ -412,26 +413,31 @@ class PeerLink:
         """
         ctx, source = self._ctx, self.copy_source
         assert source is not None and ctx.copier is not None
+        started = time.monotonic()  # before the server can start its hold
         request = self._direct_request(request, item, local_copy=True)
         key = ("data", request.xfer_id)
         reply: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        guess = self._copy_gos.get(_copy_shape(request))
+        # Ask first, unless helper threads can start copying while we ask.
+        ask_first = guess is None or ctx.copier.num_parts(nbytes) == 1
         self._waiters[key] = reply
-        started = time.monotonic()  # before the server can start its hold
         try:
-            self._post(request)
+            if ask_first:
+                self._post(request)
+            ids = np.asarray(local_ids, dtype=np.int64)
+            layers = slice(item.local_layers.start, item.local_layers.stop)
+            offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
+            local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
+            result = ItemResult(nbytes, 3, direct=True, local_copy=True)
+            copy = _CopyRead(key, reply, started, request, source, local_iov, span, result, guess)
+            if guess is not None:
+                copy.early = ctx.copier.start(
+                    source, local_iov, self._remote_ranges(copy, guess),
+                    meanwhile=None if ask_first else lambda: self._post(request),
+                )
         except BaseException:
             self._waiters.pop(key, None)
             raise
-        ids = np.asarray(local_ids, dtype=np.int64)
-        layers = slice(item.local_layers.start, item.local_layers.stop)
-        offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
-        local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
-        result = ItemResult(int(local_iov[:, 1].sum()), 3, direct=True, local_copy=True)
-        copy = _CopyRead(key, reply, started, request, source, local_iov, span, result)
-        known = self._copy_gos.get(_copy_shape(request))
-        if known is not None:
-            copy.guess = known
-            copy.early = ctx.copier.start(source, local_iov, self._remote_ranges(copy, known))
         return copy
 
     async def _finish_copy(self, copy: _CopyRead) -> ItemResult:
@@ -467,10 +473,14 @@ class PeerLink:
             raise
         finally:
             self._waiters.pop(copy.key, None)
-            if copy.answered:
-                with contextlib.suppress(TransferError):
-                    self._post(wire.CopyDone(copy.request.xfer_id, ok))
+            if copy.answered:  # after the outcome is recorded (a few returns up)
+                asyncio.get_running_loop().call_soon(self._copy_done, copy.request.xfer_id, ok)
         return copy.result
+
+    def _copy_done(self, xfer_id: int, ok: bool) -> None:
+        """Let the server unpin (else it does at the hold's end: a lost one costs only time)."""
+        with contextlib.suppress(TransferError):
+            self._post(wire.CopyDone(xfer_id, ok))
 
     async def _copy_go(self, copy: _CopyRead) -> wire.CopyGo:
         """The server's go for ``copy`` (its copy-only fields checked).

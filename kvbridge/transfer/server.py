@@ -555,6 +555,8 @@ class _CopyHold:
             conn.post_frame(ctx.codec.encode(go)).add_done_callback(_ignore_outcome)
         except TransferError as exc:  # the connection is gone; the reader may not know yet
             logger.info("copy go %d for %s not sent: %s", req.xfer_id, conn.peer, exc)
+        # The reader copies now, on this host's cores: spinning would take one from it.
+        conn.stop_spinning()
 
     def _late(self) -> None:
         logger.info("same-host copy %d: no CopyDone within its hold", self._req.xfer_id)

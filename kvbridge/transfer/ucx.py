@@ -641,6 +641,10 @@ class UcxConnection:
             raise ProtocolError(f"frame from {self.peer} of {nbytes} bytes fails its CRC")
         return payload
 
+    def stop_spinning(self) -> None:
+        """Nothing is due here soon: let the worker sleep at once (``UcxWorker.stop_spinning``)."""
+        self._worker.stop_spinning()
+
     def abort(self) -> None:
         """Close the endpoint now; in-flight operations fail. Idempotent."""
         if self._closed:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 SECRET = b"correct horse battery staple 123"  # as test_transfer_faults' me()
 P_SPEC = Spec("p-x", seed=11, secret=SECRET, config={"lease_s": 30.0})
-D_SPEC = Spec("d-x", seed=-1, secret=SECRET)
+D_SPEC = Spec("d-x", seed=-1, secret=SECRET, config={"local_copy_min_nbytes": 0})
 
 
 @pytest.fixture
@@ -236,3 +236,13 @@ def test_a_server_gone_before_the_copy_fails_it_fast(hosts: tuple[Host, Host]) -
     outcome = wait_read(reader, "second", timeout_s=20.0)
     assert outcome["failed"] == {3, 4}
     assert time.monotonic() - started < 10.0, outcome["stats"]
+
+
+def test_reads_below_the_size_threshold_go_through_ucx(hosts: tuple[Host, Host]) -> None:
+    server = add(hosts[0], P_SPEC)
+    block_nbytes = 4 * 2 * 16 * 8 * 64 * 2  # 4 layers, K and V, 16 tokens x 8 heads x 64, bf16
+    reader = add(hosts[1], D_SPEC, local_copy_min_nbytes=2 * block_nbytes)
+    small = read_ok(server, reader, "small", [5], [1])
+    assert (small.num_direct, small.num_local_copies) == (1, 0)
+    big = read_ok(server, reader, "big", [6, 7], [2, 3])
+    assert (big.num_direct, big.num_local_copies) == (1, 1)

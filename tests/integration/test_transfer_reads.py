@@ -96,7 +96,9 @@ def read(
 
 # Which scenarios read direct (block memory to block memory, no staging): same
 # layout, block size and dtype, and the moved heads one run per block plane.
-# Those not named *_ucx copy out of the server's process (same host, local_copy.py).
+# Those not named *_ucx copy out of the server's process (same host, local_copy.py),
+# at any size (COPY_ALL; by default only reads of a few MiB and up do).
+COPY_ALL = {"local_copy_min_nbytes": 0}
 DIRECT = {"mla_p2_to_d1", "hnd_p2_to_d1_direct", "hnd_p1_to_d2_direct", "nhd_same_chunked",
           "hnd_p2_to_d1_ucx", "nhd_same_chunked_ucx", "mla_p2_to_d1_ucx"}
 
@@ -116,7 +118,7 @@ SCENARIOS = {
     # MLA replicated on both P ranks: D reads one, notifies the other
     "mla_p2_to_d1": (
         Spec("p-c", tp_size=2, is_mla=True, seed=3),
-        Spec("d-c", tp_size=1, is_mla=True),
+        Spec("d-c", tp_size=1, is_mla=True, config=COPY_ALL),
         16 * 4,
     ),
     # 2 KV heads over P TP4 (each head on 2 ranks) -> D TP1
@@ -128,19 +130,19 @@ SCENARIOS = {
     # HND both sides: each P rank's heads land at their offset in D's blocks
     "hnd_p2_to_d1_direct": (
         Spec("p-e", tp_size=2, layout="HND", seed=5),
-        Spec("d-e", tp_size=1, layout="HND"),
+        Spec("d-e", tp_size=1, layout="HND", config=COPY_ALL),
         16 * 5 + 3,
     ),
     # HND both sides: each D rank takes its half of P's heads
     "hnd_p1_to_d2_direct": (
         Spec("p-f", tp_size=1, layout="HND", seed=6),
-        Spec("d-f", tp_size=2, layout="HND"),
+        Spec("d-f", tp_size=2, layout="HND", config=COPY_ALL),
         16 * 6,
     ),
     # NHD both sides, all heads; tiny chunks: 3 messages of 3, 3 and 2 blocks
     "nhd_same_chunked": (
         Spec("p-g", tp_size=1, seed=7, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
-        Spec("d-g", tp_size=1, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2}),
+        Spec("d-g", tp_size=1, config={"chunk_nbytes": 3 * 4 * 2 * 16 * 8 * 64 * 2, **COPY_ALL}),
         16 * 7 + 9,
     ),
     # the direct ones again, through UCX (the reader copies nothing itself)
