@@ -58,9 +58,9 @@ class AgentConfig:
             ``local_copy.py``) instead of receiving them through UCX. Also off
             with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
         local_copy_min_nbytes: smaller direct reads go through UCX even on one
-            host. Below a few MiB a copy ends sooner than the two-process
-            pipeline of UCX's shared memory, but the server's answer, which it
-            must wait for, arrives no sooner (docs/benchmarks.md): UCX is as fast.
+            host: below ~16 MiB UCX's shared memory, both processes copying at
+            once, is as fast as one copy plus the server's answer it must await
+            (measured in docs/benchmarks.md; from 16 MiB up the copy wins).
         copy_threads: threads one same-host copy is split over (large reads).
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
@@ -85,7 +85,7 @@ class AgentConfig:
     grant_wait_s: float = 2.0
     direct_reads: bool = True
     local_copy: bool = True
-    local_copy_min_nbytes: int = 4 << 20
+    local_copy_min_nbytes: int = 16 << 20
     copy_threads: int = 2
     test_chunk_delay_s: float = 0.0
 

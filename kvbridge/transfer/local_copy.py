@@ -23,6 +23,12 @@ Who may copy from whom is settled on top of the handshake: the server offers a
 random probe); the reader copies the probe and compares before it trusts the
 pid, and again after every copy (the pid could name another process by then).
 
+Used for direct reads of ``AgentConfig.local_copy_min_nbytes`` (16 MiB) and
+more: below that, UCX's shared memory with both processes copying at once is as
+fast as one copy followed by the wait for the server's answer. Besides the
+speed, a copy costs the server's process no CPU per byte, where UCX's shared
+memory makes it copy every byte into its FIFO.
+
 Off (reads go through UCX) when ``AgentConfig.local_copy`` is False, when
 ``KVBRIDGE_LOCAL_COPY=0``, when ``UCX_TLS`` leaves out UCX's shared-memory
 transports (an operator who asked for TCP asked for the network: the netns
