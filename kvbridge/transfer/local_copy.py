@@ -45,6 +45,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -264,6 +265,8 @@ class Copier:
                                                 thread_name_prefix="kvbridge-local-copy")
             others = [self._pool.submit(source.readv, local[a:b], remote[a:b])
                       for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+        if others:  # a helper needs the GIL to start its copy: let it have it now
+            time.sleep(0)
         if meanwhile is not None:
             try:
                 meanwhile()

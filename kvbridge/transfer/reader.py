@@ -454,6 +454,8 @@ class PeerLink:
             if copy.early is not None:
                 with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
                     early, copy.early = copy.early, None
+                    if early.parts:  # our helpers copy on: spinning would take their core
+                        self._conn.stop_spinning()
                     await ctx.copier.finish(early)
                     copied = copy.guess
             go = await self._copy_go(copy)
