@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 _MIB = 1 << 20
-_COLORS = {"kvbridge": "tab:red", "ucx_perftest": "tab:gray", "ucx_perftest_get": "black",
-           "nixl": "tab:blue", "mooncake": "tab:green"}
+_COLORS = {"kvbridge": "tab:red", "kvbridge_ucx": "tab:orange", "ucx_perftest": "tab:gray",
+           "ucx_perftest_get": "black", "nixl": "tab:blue", "mooncake": "tab:green"}
 
 
 class PlotUnavailable(RuntimeError):
@@ -46,7 +46,7 @@ def plot_transfer(report: dict[str, Any], fig: Any) -> None:
             continue  # unavailable: named in the title instead
         xs = [r["nbytes"] for r in rows]
         sizes = sorted({*sizes, *xs})
-        style = "-o" if name == "kvbridge" else "--."
+        style = {"kvbridge": "-o", "kvbridge_ucx": ":o"}.get(name, "--.")
         ax.plot(xs, [r["gbps_median"] for r in rows], style, label=name,
                 color=_COLORS.get(name), linewidth=2.5 if name == "kvbridge" else 1.5)
     ax.set_xscale("log", base=2)
