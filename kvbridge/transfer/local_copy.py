@@ -18,6 +18,12 @@ server may have handed back to its engine::
     reader: t0 send ReadRequest ........ copy ....... t1   keep iff t1 - t0 < hold_s
     server:      recv, pin ----------------- hold_s ------------> unpin
 
+The copy need not wait for the go: a grant's blocks do not change from its
+issue (after the prefill wrote them, before D learns the token) to its release,
+so when an earlier go of the same shape (layers, heads) told where the blocks
+sit, the reader copies while the server checks, and keeps the bytes only if
+the go, when it comes, confirms the grant and the same place (``reader.py``).
+
 Who may copy from whom is settled on top of the handshake: the server offers a
 ``wire.HostInfo`` (boot id, pid namespace, pid, the address and value of a
 random probe); the reader copies the probe and compares before it trusts the

@@ -475,7 +475,9 @@ class PeerLink:
             raise
         finally:
             self._waiters.pop(copy.key, None)
-            if copy.answered:  # after the outcome is recorded (a few returns up)
+            # After the outcome is recorded (a few returns up). Also when we gave up
+            # before the go came: it may still come, pinning the grant until its hold.
+            if copy.answered or not ok:
                 asyncio.get_running_loop().call_soon(self._copy_done, copy.request.xfer_id, ok)
         return copy.result
 
