@@ -54,19 +54,23 @@ class TransferStats(KVConnectorStats):
         nbytes: Bytes moved by those transfers.
         durations_s: Duration of each completed transfer, in seconds.
         num_failures: Transfers that failed.
+        num_local_copies: Completed transfers the reader copied out of a server
+            process on its own host (``kvbridge.transfer.local_copy``).
     """
 
     num_transfers: int = 0
     nbytes: int = 0
     durations_s: list[float] = field(default_factory=list)
     num_failures: int = 0
+    num_local_copies: int = 0
 
     def __post_init__(self) -> None:
-        counts = (self.num_transfers, self.nbytes, self.num_failures)
+        counts = (self.num_transfers, self.nbytes, self.num_failures, self.num_local_copies)
         if min(counts) < 0 or any(d < 0 for d in self.durations_s):
             raise ValueError(
                 f"stats must be non-negative: num_transfers {self.num_transfers}, "
                 f"nbytes {self.nbytes}, num_failures {self.num_failures}, "
+                f"num_local_copies {self.num_local_copies}, "
                 f"min duration {min(self.durations_s, default=0.0)}"
             )
 
@@ -84,10 +88,11 @@ class TransferStats(KVConnectorStats):
             nbytes=self.nbytes + other.nbytes,
             durations_s=self.durations_s + other.durations_s,
             num_failures=self.num_failures + other.num_failures,
+            num_local_copies=self.num_local_copies + other.num_local_copies,
         )
 
     def is_empty(self) -> bool:
-        counts = (self.num_transfers, self.nbytes, self.num_failures)
+        counts = (self.num_transfers, self.nbytes, self.num_failures, self.num_local_copies)
         return not any(counts) and not self.durations_s
 
 

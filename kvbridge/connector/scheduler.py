@@ -557,4 +557,5 @@ class ConnectorScheduler:
         self._stats.num_transfers += stats.num_transfers
         self._stats.num_failures += stats.num_failures
         self._stats.nbytes += stats.nbytes
+        self._stats.num_local_copies += stats.num_local_copies
         self._stats.record_durations(stats.durations_s)

@@ -28,6 +28,8 @@ class ConnectorStats:
         num_transfers: worker reads that completed (one per D worker and request).
         num_failures: worker reads that failed.
         nbytes: KV bytes received by this engine's workers.
+        num_local_copies: of the completed reads, those copied out of a server
+            process on this host (same-host copies) rather than through UCX.
         duration_bucket_counts: transfers per ``DURATION_BUCKETS_S`` bucket
             (non-cumulative; the last entry counts durations above every bound).
         duration_sum_s: total transfer time, seconds.
@@ -45,6 +47,7 @@ class ConnectorStats:
     num_transfers: int = 0
     num_failures: int = 0
     nbytes: int = 0
+    num_local_copies: int = 0
     duration_bucket_counts: list[int] = field(
         default_factory=lambda: [0] * (len(DURATION_BUCKETS_S) + 1)
     )
@@ -97,6 +100,8 @@ class ConnectorStats:
         metric("kv_transfer_failures_total", "counter", "KV reads failed on workers.",
                self.num_failures)
         metric("kv_transfer_bytes_total", "counter", "KV bytes received.", self.nbytes)
+        metric("kv_transfer_local_copies_total", "counter",
+               "KV reads copied from a server process on this host.", self.num_local_copies)
         metric("kv_loads_started_total", "counter", "Requests sent to workers to load.",
                self.num_loads_started)
         metric("kv_loads_failed_total", "counter", "Requests whose load failed.",

@@ -273,6 +273,7 @@ class ConnectorWorker:
             self._stats = self._stats.aggregate(TransferStats(
                 num_transfers=int(read.ok), nbytes=read.nbytes,
                 durations_s=[read.duration_s] if read.ok else [], num_failures=int(not read.ok),
+                num_local_copies=int(read.ok and read.num_local_copies > 0),
             ))
         return sending, recving
 

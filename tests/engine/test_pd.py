@@ -43,9 +43,14 @@ ENGINES = {
     "c": (1, 32, KVLayout.HND, "recompute"),
     "d": (2, 16, KVLayout.NHD, "recompute"),
     "f": (1, 16, KVLayout.HND, "fail"),
+    "g": (1, 16, KVLayout.NHD, "recompute"),
+    "h": (1, 32, KVLayout.HND, "recompute"),
 }
-#: (P, D): (1,1) 16->32 NHD->HND; (2,1) 32->16 HND->NHD; (1,2) 16->16; (2,2) 32->16 HND->NHD
-PAIRS = [("a", "c"), ("b", "a"), ("a", "d"), ("b", "d")]
+#: D engines that copy direct reads of any size out of P's workers (same host)
+COPYING = {"g", "h"}
+#: (P, D): (1,1) 16->32 NHD->HND; (2,1) 32->16 HND->NHD; (1,2) 16->16; (2,2) 32->16 HND->NHD;
+#: (1,1) 16 NHD and (2,1) 32 HND both ways alike: direct, copied by D (local_copy.py)
+PAIRS = [("a", "c"), ("b", "a"), ("a", "d"), ("b", "d"), ("a", "g"), ("b", "h")]
 
 LONG = [256, *b"Disaggregated serving moves the KV cache from prefill to decode. " * 2]
 PROMPTS: list[list[int]] = [
@@ -58,8 +63,9 @@ PROMPTS: list[list[int]] = [
 
 def make_engine(name: str) -> LLMEngine:
     tp_size, block_size, layout, policy = ENGINES[name]
+    agent = dataclasses.replace(FAST, local_copy_min_nbytes=0) if name in COPYING else FAST
     connector = ConnectorSettings(engine_id=f"engine-{name}",
-                                  transfer_base_port=free_port_base(tp_size), agent=FAST,
+                                  transfer_base_port=free_port_base(tp_size), agent=agent,
                                   load_failure_policy=policy)
     return LLMEngine(EngineConfig(model=MICRO, tp_size=tp_size, block_size=block_size,
                                   kv_layout=layout, num_blocks=256, connector=connector,
@@ -137,6 +143,8 @@ def test_decode_after_remote_prefill_equals_colocated(
         d_name: str) -> None:
     p, d = engines[p_name], engines[d_name]
     d.manager.reset_prefix_cache()  # no local hits from earlier tests
+    before = d.get_stats().connector
+    assert before is not None
     firsts, outs = handoff(p, d, PROMPTS, f"{p_name}{d_name}")
     assert [f.new_token_ids[0] for f in firsts] == [r[0] for r in reference]
     assert [o.new_token_ids for o in outs] == reference
@@ -147,6 +155,9 @@ def test_decode_after_remote_prefill_equals_colocated(
     settle(p, d)
     stats = d.get_stats().connector
     assert stats is not None and stats.num_transfers > 0 and stats.nbytes > 0
+    num_reads = stats.num_transfers - before.num_transfers
+    num_copies = stats.num_local_copies - before.num_local_copies
+    assert num_copies == (num_reads if d_name in COPYING else 0), (num_reads, num_copies)
 
 
 def test_prefix_hits_on_decode(engines: dict[str, LLMEngine]) -> None:
