@@ -505,15 +505,11 @@ class PeerLink:
         copy.answered = True
         if not isinstance(reply, wire.CopyGo):
             raise ProtocolError(f"unexpected {type(reply).__name__} for a same-host copy")
-        self._remote_ranges(copy, reply)  # raises when it does not fit
+        self._check_go(copy, reply)
         return reply
 
-    def _remote_ranges(self, copy: _CopyRead, go: wire.CopyGo) -> IovArray:
-        """The server's ranges for ``copy`` per ``go``, row for row with ours.
-
-        Raises:
-            ProtocolError: the go does not fit the read we asked for.
-        """
+    def _check_go(self, copy: _CopyRead, go: wire.CopyGo) -> None:
+        """Raise ``ProtocolError`` unless ``go`` fits the read we asked for."""
         req = copy.request
         num_origins = (req.layer_end - req.layer_start) * num_planes(self._ctx.local)
         if len(go.origins) != 8 * num_origins or go.span_nbytes != copy.span.nbytes:
@@ -521,6 +517,10 @@ class PeerLink:
                 f"copy go for {len(go.origins) // 8} planes of {go.span_nbytes}-byte spans, "
                 f"asked for {num_origins} of {copy.span.nbytes}"
             )
+
+    def _remote_ranges(self, copy: _CopyRead, go: wire.CopyGo) -> IovArray:
+        """The server's ranges for ``copy`` per ``go`` (checked), row for row with ours."""
+        req = copy.request
         origins = np.frombuffer(go.origins, dtype=np.uint64)
         offsets = block_offsets(np.asarray(req.block_ids, dtype=np.int64), go.block_stride,
                                 go.span_offset)
