@@ -50,6 +50,7 @@ from kvbridge.topology import EngineTopology
 from kvbridge.transfer.clock import Clock, MonotonicClock
 from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.grant_board import GrantBoard
 from kvbridge.transfer.grants import Grant, GrantTable
 from kvbridge.transfer.handshake import Identity
 from kvbridge.transfer.local_copy import Copier, ProbeCell, allowed, host_memory
@@ -86,6 +87,7 @@ class AgentCounters:
     num_sessions_total: int  # connections that reached the server since start
     num_serving_reads: int  # reads being served now (all sessions)
     num_copy_holds: int  # same-host copies holding their grant pinned now
+    num_board_copies: int  # same-host copies made on the grant board's word since start
     num_read_tasks: int  # tasks serving those reads
     num_pending_reports: int  # done reports waiting for their grant to be issued
     num_staging_lent: int  # serve staging buffers lent out
@@ -224,7 +226,10 @@ class TransferAgent:
         copier = None
         if allowed(cfg.local_copy) and host_memory(self._local.layers):
             server_ctx.probe = ProbeCell()
-            server_ctx.host = server_ctx.probe.host_info()
+            board = GrantBoard(self._local.place) if cfg.grant_board else None
+            if board is not None:
+                self.grants.attach_board(board)  # grants issued from now on
+            server_ctx.host = server_ctx.probe.host_info(board)
             copier = Copier(cfg.copy_threads)
         reader_ctx = ReaderContext(
             self._me, self._local, cfg, BufferPool(cfg.num_read_slots * cfg.window_chunks),
@@ -255,6 +260,7 @@ class TransferAgent:
     async def _expire_grants(self) -> None:
         while True:
             self.grants.expire()
+            self.grants.refresh_board()
             await asyncio.sleep(self.config.expire_every_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -295,6 +301,7 @@ class TransferAgent:
                 num_sessions_total=ctx.num_sessions_total,
                 num_serving_reads=sum(len(s.reads) for s in ctx.sessions),
                 num_copy_holds=ctx.num_holds,
+                num_board_copies=ctx.num_board_copies,
                 num_read_tasks=sum(len(s.tasks) for s in ctx.sessions),
                 num_pending_reports=len(ctx.reports),
                 num_staging_lent=ctx.pool.num_lent,
@@ -339,7 +346,8 @@ class TransferAgent:
         if token is not None and len(token) < 16:
             raise ConfigError(f"grant token must have >= 16 characters, got {len(token)}")
         grant = self.grants.issue(
-            request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest
+            request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest,
+            alias=token,
         )
         if token is not None:
             self._aliases[token] = grant.token

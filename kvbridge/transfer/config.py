@@ -8,6 +8,7 @@ Both are built by ``TransferAgent`` (``agent.py``) from its constructor argument
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -23,7 +24,7 @@ from kvbridge.transfer import wire
 
 #: ``AgentConfig`` fields for which 0 means "off" rather than an invalid value.
 _ZERO_ALLOWED = frozenset({"test_chunk_delay_s", "local_copy_min_nbytes"})
-_BOOLS = frozenset({"direct_reads", "local_copy"})
+_BOOLS = frozenset({"direct_reads", "local_copy", "grant_board"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,13 @@ class AgentConfig:
             ``local_copy.py``) instead of receiving them through UCX. Also off
             with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
         local_copy_min_nbytes: smaller direct reads go through UCX even on one
-            host: below ~16 MiB UCX's shared memory, both processes copying at
-            once, is as fast as one copy plus the server's answer it must await
-            (measured in docs/benchmarks.md; from 16 MiB up the copy wins).
+            host: below ~8 MiB UCX's shared memory, both processes copying at
+            once, is as fast as one copy (measured in docs/benchmarks.md; from
+            8 MiB up the copy wins, by more the larger the read).
         copy_threads: threads one same-host copy is split over (large reads).
+        grant_board: when serving same-host copies, also publish live grants on
+            the board same-host readers check themselves (``grant_board.py``), so
+            they need not ask before they copy. False: every copy asks.
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
             (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
@@ -85,8 +89,9 @@ class AgentConfig:
     grant_wait_s: float = 2.0
     direct_reads: bool = True
     local_copy: bool = True
-    local_copy_min_nbytes: int = 16 << 20
+    local_copy_min_nbytes: int = 8 << 20
     copy_threads: int = 2
+    grant_board: bool = True
     test_chunk_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -184,6 +189,12 @@ class LocalKV:
     def num_planes(self) -> int:
         """Planes per block and layer: K and V, or MLA's single latent plane."""
         return 1 if self.topology.is_mla else 2
+
+    def place(self) -> int:
+        """A fingerprint (63 bits, never 0) of where the caches are now: it changes if one moves."""
+        pointers = np.array([layer.data_ptr() for layer in self.layers], dtype=np.uint64)
+        digest = hashlib.blake2b(pointers.tobytes(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 1) or 1
 
     def plane_origins(self, layers: slice) -> npt.NDArray[np.uint64]:
         """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``.

@@ -13,7 +13,10 @@ once, for one of three reasons:
 Each release is queued once; the connector takes it from ``drain_released()`` and
 frees the blocks. A read in flight pins its grant (``begin_read``/``end_read``):
 a release that happens meanwhile is deferred until the last pinned read ends, so
-P never frees blocks that UCX is still sending from.
+P never frees blocks that UCX is still sending from. With a grant board attached
+(``attach_board``), live grants are also published there for same-host readers,
+and taken off when their release is decided, before the blocks can be freed
+(``grant_board.py``).
 
 Lifecycle of one grant::
 
@@ -74,6 +77,7 @@ from typing import Literal
 
 from kvbridge.errors import ConfigError, IntegrityError, KVBridgeError
 from kvbridge.transfer.clock import Clock
+from kvbridge.transfer.grant_board import GrantBoard
 
 ReleaseReason = Literal["done", "expired", "revoked"]
 
@@ -207,6 +211,17 @@ class GrantTable:
         self._num_issued = 0
         self._num_released = {"done": 0, "expired": 0, "revoked": 0}
         self._num_readers = {False: 0, True: 0}  # failed? -> count
+        self._board: GrantBoard | None = None
+
+    def refresh_board(self) -> int:
+        """Take grants off the board whose caches moved since they were put on; how many."""
+        with self._lock:
+            return self._board.withdraw_moved() if self._board is not None else 0
+
+    def attach_board(self, board: GrantBoard) -> None:
+        """Publish grants issued from now on to ``board`` (``grant_board.py``)."""
+        with self._lock:
+            self._board = board
 
     # ---------------------------------------------------------------- issuing
 
@@ -217,6 +232,7 @@ class GrantTable:
         num_expected_readers: int | None,
         lease_s: float | None = None,
         prompt_digest: bytes | None = None,
+        alias: str | None = None,
     ) -> Grant:
         """Hold ``block_ids`` for ``request_id`` under a new random token.
 
@@ -228,6 +244,8 @@ class GrantTable:
             lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
             prompt_digest: ``security.prompt_digest`` of the prompt the blocks hold;
                 the server refuses reads naming another prompt. None: unbound.
+            alias: the token readers will present instead of the table's (the
+                agent maps it); only the grant board (``attach_board``) uses it.
 
         Returns:
             The new grant (``token`` is a 22-character url-safe ``str``).
@@ -264,6 +282,9 @@ class GrantTable:
             expires_at = self._clock.now() + min(lease, self._max_lease_s)
             grant = Grant(token, request_id, ids, expires_at, num_expected_readers, prompt_digest)
             self._entries[token] = _Entry(grant, block_set)
+            if self._board is not None:
+                self._board.publish(token, ids, expires_at - self._clock.now(), prompt_digest,
+                                    alias)
             self._token_by_request[request_id] = token
             self._push_expiry(expires_at, token)
             self._num_held_blocks += len(ids)
@@ -334,6 +355,8 @@ class GrantTable:
             if expires_at != entry.grant.expires_at:
                 entry.grant = replace(entry.grant, expires_at=expires_at)
                 self._push_expiry(expires_at, token)
+                if self._board is not None:
+                    self._board.renew(token, expires_at - now)
             return expires_at
 
     def set_expected_readers(self, token: str, num_expected_readers: int) -> bool:
@@ -411,7 +434,7 @@ class GrantTable:
                     continue
                 if entry.grant.expires_at != expires_at:
                     continue  # renewed; a later heap item stands for it
-                entry.closing = "expired"
+                self._close(entry, "expired")
                 if entry.num_active_reads == 0:
                     expired.append(self._release(entry, "expired"))
             return expired
@@ -430,7 +453,7 @@ class GrantTable:
             entry = self._entries[token]
             if entry.closing is not None:
                 return False
-            entry.closing = "revoked"
+            self._close(entry, "revoked")
             if entry.num_active_reads == 0:
                 self._release(entry, "revoked")
             return True
@@ -572,7 +595,7 @@ class GrantTable:
         expected = entry.grant.num_expected_readers
         if entry.closing is not None or expected is None or len(entry.reader_failed) < expected:
             return False
-        entry.closing = "done"
+        self._close(entry, "done")
         if entry.num_active_reads == 0:
             self._release(entry, "done")
         return True
@@ -587,9 +610,17 @@ class GrantTable:
         if released and self._on_release is not None:
             self._on_release()
 
+    def _close(self, entry: _Entry, reason: ReleaseReason) -> None:
+        """Decide the release; off the board at once (no new read may start)."""
+        entry.closing = reason
+        if self._board is not None:
+            self._board.withdraw(entry.grant.token)
+
     def _release(self, entry: _Entry, reason: ReleaseReason) -> Release:
         self._num_releases += 1
         g = entry.grant
+        if self._board is not None:
+            self._board.withdraw(g.token)
         del self._entries[g.token]
         del self._token_by_request[g.request_id]
         self._num_held_blocks -= len(g.block_ids)

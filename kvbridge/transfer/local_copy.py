@@ -29,11 +29,18 @@ Who may copy from whom is settled on top of the handshake: the server offers a
 random probe); the reader copies the probe and compares before it trusts the
 pid, and again after every copy (the pid could name another process by then).
 
-Used for direct reads of ``AgentConfig.local_copy_min_nbytes`` (16 MiB) and
+Asking costs a round trip through the server's loop, and on a busy host the
+server may wait for a core until the reader's own copy threads leave one. So
+the server also publishes its live grants on a *grant board* in its memory
+(``grant_board.py``): once a go of the read's shape told where the blocks sit,
+a reader that finds its grant on the board copies without asking at all, and
+keeps the bytes if the board still says the same after the copy (a sequence
+lock: the server takes a grant off before it hands its blocks back).
+
+Used for direct reads of ``AgentConfig.local_copy_min_nbytes`` (8 MiB) and
 more: below that, UCX's shared memory with both processes copying at once is as
-fast as one copy followed by the wait for the server's answer. Besides the
-speed, a copy costs the server's process no CPU per byte, where UCX's shared
-memory makes it copy every byte into its FIFO.
+fast. Besides the speed, a copy costs the server's process no CPU per byte,
+where UCX's shared memory makes it copy every byte into its FIFO.
 
 Off (reads go through UCX) when ``AgentConfig.local_copy`` is False, when
 ``KVBRIDGE_LOCAL_COPY=0``, when ``UCX_TLS`` leaves out UCX's shared-memory
@@ -48,13 +55,14 @@ import asyncio
 import ctypes
 import errno
 import logging
+import math
 import os
 import secrets
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +71,15 @@ import torch
 
 from kvbridge.transfer import wire
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferError
+from kvbridge.transfer.grant_board import (
+    SLOT_NBYTES,
+    WINDOW,
+    BoardSpot,
+    GrantBoard,
+    find_grant,
+    home_slot,
+    token_digest,
+)
 
 __all__ = [
     "ENV_SWITCH",
@@ -79,9 +96,14 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "KVBRIDGE_LOCAL_COPY"
 _IOV_MAX = 1024  # iovec entries per process_vm_readv call (Linux UIO_MAXIOV)
+_ROW_NBYTES = 16  # one struct iovec
 _PROBE_NBYTES = 16
 #: Below this many bytes per thread a copy is not split (a thread hop costs ~50 us).
 MIN_PART_NBYTES = 4 << 20
+# A piece a thread takes of a shared copy: few calls (~10 us each), a short tail.
+_MIN_PIECE_NBYTES = 2 << 20
+_MAX_PIECE_NBYTES = 8 << 20  # ~1 ms inside the kernel, where it is not preempted
+_LOOP_SLICE_S = 0.005  # the loop thread copies this long at most before it yields
 _UCX_SHM_TRANSPORTS = frozenset({"all", "sm", "shm", "cma", "posix", "sysv"})
 
 IovArray = npt.NDArray[np.uint64]  # struct iovec[n]: (address, length) rows
@@ -139,15 +161,21 @@ class ProbeCell:
     def __init__(self) -> None:
         self._cell = np.frombuffer(bytearray(secrets.token_bytes(_PROBE_NBYTES)), dtype=np.uint8)
 
-    def host_info(self) -> wire.HostInfo | None:
-        """What the handshake offers, or None where this host cannot say who it is."""
+    def host_info(self, board: GrantBoard | None = None) -> wire.HostInfo | None:
+        """What the handshake offers, or None where this host cannot say who it is.
+
+        ``board``: the server's grant board, offered with it.
+        """
         try:
             boot_id, pid_namespace = _host_identity()
         except OSError as exc:
             logger.info("no same-host copies: %s", exc)
             return None
-        return wire.HostInfo(boot_id, pid_namespace, os.getpid(), self._cell.ctypes.data,
-                             self._cell.tobytes())
+        return wire.HostInfo(
+            boot_id, pid_namespace, os.getpid(), self._cell.ctypes.data, self._cell.tobytes(),
+            board_address=board.address if board is not None else 0,
+            board_slots=board.num_slots if board is not None else 0,
+        )
 
 
 class CopySource:
@@ -157,9 +185,23 @@ class CopySource:
         self.pid = info.pid
         self._probe = info.probe
         self._probe_iov = np.array([[info.probe_address, len(info.probe)]], dtype=np.uint64)
-        self._got = np.zeros(len(info.probe), dtype=np.uint8)
-        self._got_iov = np.array([[self._got.ctypes.data, self._got.size]], dtype=np.uint64)
-        self._iov_pointers = (self._got_iov.ctypes.data, self._probe_iov.ctypes.data)
+        self._got = np.zeros(len(info.probe) + 8, dtype=np.uint8)  # the probe, a board seq
+        self._got_iov = np.array([[self._got.ctypes.data, len(info.probe)],
+                                  [self._got.ctypes.data + len(info.probe), 8]], dtype=np.uint64)
+        self._remote_iov = np.array([[info.probe_address, len(info.probe)], [0, 8]],
+                                    dtype=np.uint64)
+        self._iov_pointers = (self._got_iov.ctypes.data, self._remote_iov.ctypes.data)
+        # The grant board (``grant_board.py``), if the server offers one.
+        self.board_address, self.board_slots = info.board_address, info.board_slots
+        self._window = np.zeros(WINDOW * SLOT_NBYTES, dtype=np.uint8)
+        self._window_local = np.array([[self._window.ctypes.data, self._window.size]],
+                                      dtype=np.uint64)
+        # Each slot's seq is its own iovec, copied before the rest of the slot.
+        self._window_remote = np.zeros((2 * WINDOW, 2), dtype=np.uint64)
+        self._window_remote[:, 1] = [8, SLOT_NBYTES - 8] * WINDOW
+        self._window_offsets = np.array(
+            [slot * SLOT_NBYTES + part for slot in range(WINDOW) for part in (0, 8)],
+            dtype=np.uint64)
 
     @classmethod
     def open(cls, info: wire.HostInfo | None, peer: str) -> CopySource | None:
@@ -179,8 +221,11 @@ class CopySource:
             return None
         return source
 
-    def check(self) -> None:
+    def check(self, spot: BoardSpot | None = None) -> bool:
         """Copy the probe and compare: the pid still names the server that offered it.
+
+        ``spot``: also read that board slot's seq (same call); returns False if
+        it changed (the grant left the board, or was being changed), else True.
 
         Raises:
             PeerClosedError: the process is gone or is another one now.
@@ -188,19 +233,45 @@ class CopySource:
         """
         assert _readv is not None
         self._got[:] = 0
-        got_iov, probe_iov = self._iov_pointers
-        got = _readv(self.pid, got_iov, 1, probe_iov, 1, 0)
-        if got != len(self._probe):
+        got_iov, remote_iov = self._iov_pointers
+        rows, want = 1, len(self._probe)
+        if spot is not None:
+            self._remote_iov[1, 0] = spot.seq_address
+            rows, want = 2, want + 8
+        got = _readv(self.pid, got_iov, rows, remote_iov, rows, 0)
+        if got != want:
             code = ctypes.get_errno() if got < 0 else 0
             if code == errno.EPERM:
                 raise CopyRefusedError(f"copy from pid {self.pid}: {os.strerror(code)}")
             raise PeerClosedError(f"pid {self.pid} is no longer the server "
                                   f"({os.strerror(code) if code else 'short probe'})")
-        if self._got.tobytes() != self._probe:
+        if self._got[: len(self._probe)].tobytes() != self._probe:
             raise PeerClosedError(f"pid {self.pid} is no longer the server (probe differs)")
+        return spot is None or int(self._got[len(self._probe) :].view(np.uint64)[0]) == spot.seq
+
+    def find_grant(self, token: str, block_ids: Sequence[int], prompt_digest: bytes,
+                   place: int) -> BoardSpot | None:
+        """Where the server's board says ``token`` may read ``block_ids`` now, or None.
+
+        ``place``: of the go whose origins the copy will use (``grant_board.py``).
+
+        None also when the server has no board or the read of it fails (the
+        caller then asks the server, which says what is wrong, if anything).
+        """
+        if not self.board_slots:
+            return None
+        start = self.board_address + home_slot(token_digest(token), self.board_slots) * SLOT_NBYTES
+        self._window_remote[:, 0] = self._window_offsets + np.uint64(start)
+        assert _readv is not None
+        got = _readv(self.pid, self._window_local.ctypes.data, 1,
+                     self._window_remote.ctypes.data, 2 * WINDOW, 0)
+        if got != self._window.size:
+            return None
+        return find_grant(self._window.tobytes(), start, token, block_ids, prompt_digest,
+                          time.monotonic(), place)
 
     def readv(self, local: IovArray, remote: IovArray) -> None:
-        """Copy ``remote`` ranges of the server into ``local`` ones (same total, any split).
+        """Copy ``remote`` ranges of the server into ``local`` ones (row for row).
 
         Runs in whatever thread calls it; the GIL is released during each call.
 
@@ -210,109 +281,199 @@ class CopySource:
             ProtocolError: a remote range is not mapped in the server (EFAULT), or
                 the copy came up short.
         """
-        assert _readv is not None
         for start in range(0, max(len(local), len(remote)), _IOV_MAX):
             lo, re = local[start : start + _IOV_MAX], remote[start : start + _IOV_MAX]
-            want = int(lo[:, 1].sum())
-            got = _readv(self.pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
-            if got == want:
-                continue
-            if got >= 0:
-                raise ProtocolError(f"copy from pid {self.pid} moved {got} of {want} bytes")
-            code = ctypes.get_errno()
-            text = f"copy from pid {self.pid}: {os.strerror(code)}"
-            if code == errno.ESRCH:
-                raise PeerClosedError(text)
-            if code == errno.EPERM:
-                raise CopyRefusedError(text)
-            if code == errno.EFAULT:
-                raise ProtocolError(text + " (the server named memory it does not have)")
-            raise TransferError(text)
+            self.readv_rows(lo.ctypes.data, len(lo), re.ctypes.data, len(re), int(lo[:, 1].sum()))
+
+    def readv_rows(self, local_rows: int, num_local: int, remote_rows: int, num_remote: int,
+                   want: int) -> None:
+        """One ``process_vm_readv`` of at most ``_IOV_MAX`` rows each side, by address.
+
+        Raises:
+            As ``readv``.
+        """
+        assert _readv is not None
+        got = _readv(self.pid, local_rows, num_local, remote_rows, num_remote, 0)
+        if got == want:
+            return
+        if got >= 0:
+            raise ProtocolError(f"copy from pid {self.pid} moved {got} of {want} bytes")
+        code = ctypes.get_errno()
+        text = f"copy from pid {self.pid}: {os.strerror(code)}"
+        if code == errno.ESRCH:
+            raise PeerClosedError(text)
+        if code == errno.EPERM:
+            raise CopyRefusedError(text)
+        if code == errno.EFAULT:
+            raise ProtocolError(text + " (the server named memory it does not have)")
+        raise TransferError(text)
 
 
 class CopyRun:
-    """A copy under way: the parts running in helper threads, and the first error."""
+    """A copy under way, shared out in pieces to whichever thread asks next.
 
-    def __init__(self, source: CopySource, parts: list[Future[None]],
-                 error: BaseException | None) -> None:
-        self.source, self.parts, self.error = source, parts, error
+    Every thread that works on it (the loop thread, helper threads) takes the
+    next piece of rows, copies it and asks again, so a thread that starts late,
+    joins late or runs slow takes fewer pieces, and all end together. A piece is
+    a share of what is left (between ``_MIN_PIECE_NBYTES`` and
+    ``_MAX_PIECE_NBYTES``): few calls, and little left for the last one.
+    ``close`` hands out no more pieces; ``wait_idle`` waits for those taken.
+
+    Why not one part per thread: a helper thread wakes up late (0.1-0.3 ms on
+    a busy VM), and the part it was given would then end last. Why not small
+    pieces: a call costs ~10 us, and the kernel does not preempt a thread inside
+    ``process_vm_readv`` on many servers (``PREEMPT_NONE``), so each piece is
+    also a bound on how long a core serves nobody else.
+    """
+
+    def __init__(self, source: CopySource, local: IovArray, remote: IovArray,
+                 num_threads: int) -> None:
+        self.source = source
+        # Kept alive (and contiguous) here: the kernel reads these rows by address.
+        self._local = np.ascontiguousarray(local, dtype=np.uint64)
+        self._remote = np.ascontiguousarray(remote, dtype=np.uint64)
+        self._rows = len(local)
+        self._ends = np.cumsum(self._local[:, 1], dtype=np.uint64)
+        self._total = int(self._ends[-1]) if self._rows else 0
+        self._share = 2 * num_threads  # a piece is about 1 / share of what is left
+        self._next_row = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # pieces taken and not yet copied
+        self._closed = False
+        self.error: BaseException | None = None
+        self.helpers: list[Future[bool]] = []
+
+    @property
+    def exhausted(self) -> bool:
+        """No piece is left to take (all taken, or closed)."""
+        return self._closed or self._next_row >= self._rows
+
+    def _take(self) -> tuple[int, int, int] | None:
+        """The next piece as ``(first row, end row, nbytes)``, or None."""
+        with self._lock:
+            first = self._next_row
+            if self._closed or first >= self._rows:
+                return None
+            done = int(self._ends[first - 1]) if first else 0
+            nbytes = min(_MAX_PIECE_NBYTES,
+                         max(_MIN_PIECE_NBYTES, (self._total - done) // self._share))
+            end = int(np.searchsorted(self._ends, done + nbytes, side="left")) + 1
+            end = min(max(end, first + 1), first + _IOV_MAX, self._rows)
+            self._next_row = end
+            self._busy += 1
+            return first, end, int(self._ends[end - 1]) - done
+
+    def work(self, until: float = math.inf) -> bool:
+        """Copy pieces until none is left (True) or ``time.perf_counter()`` passes ``until``.
+
+        Never raises: the first error is kept in ``error`` and ends the run.
+        """
+        local, remote = self._local.ctypes.data, self._remote.ctypes.data
+        row = _ROW_NBYTES
+        while time.perf_counter() < until:
+            piece = self._take()
+            if piece is None:
+                return True
+            first, end, nbytes = piece
+            try:
+                self.source.readv_rows(local + first * row, end - first,
+                                       remote + first * row, end - first, nbytes)
+            except BaseException as exc:
+                with self._lock:
+                    self.error = self.error or exc
+                    self._closed = True
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    if not self._busy:
+                        self._idle.notify_all()
+        return self.exhausted
+
+    def close(self) -> None:
+        """Hand out no more pieces (those taken are still being copied)."""
+        with self._lock:
+            self._closed = True
+
+    def wait_idle(self) -> None:
+        """Block until no thread copies a piece of this run (one piece's time at most)."""
+        with self._lock:
+            self._idle.wait_for(lambda: not self._busy)
 
 
 class Copier:
-    """Runs copies, split over up to ``threads`` threads (the caller's is one of them)."""
+    """Runs copies, shared out over up to ``threads`` threads (the caller's is one of them)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
     def num_parts(self, nbytes: int) -> int:
-        """How many threads a copy of ``nbytes`` is split over (1: the caller's alone)."""
+        """How many threads a copy of ``nbytes`` is shared out over (1: the caller's alone)."""
         return max(1, min(self.threads, nbytes // MIN_PART_NBYTES))
 
     def start(
         self, source: CopySource, local: IovArray, remote: IovArray,
         meanwhile: Callable[[], object] | None = None,
     ) -> CopyRun:
-        """Copy row for row (``local[i]`` and ``remote[i]`` have one length).
+        """Copy ``remote`` rows into ``local`` rows (row ``i`` of both has one length).
 
-        Large copies are split: the other parts go to helper threads and the
-        first runs here, before this returns. ``meanwhile`` is called between
-        the two (while the helpers wake up); if it raises, the helpers are
-        waited for and its error propagates. Pass the result to ``finish``, or
-        to ``abandon``. Otherwise never raises: a copy error is kept for ``finish``.
+        A large copy is shared with helper threads, which start at once. This
+        thread then calls ``meanwhile`` (while they wake up) and copies pieces
+        for up to ``_LOOP_SLICE_S`` before it returns; ``finish`` does the rest.
+        If ``meanwhile`` raises, the copy is stopped and its error propagates.
+        Pass the result to ``finish`` or to ``abandon``. Otherwise never raises:
+        a copy error is kept for ``finish``.
         """
         rows = len(local)
-        parts = min(rows, self.num_parts(int(local[:, 1].sum()) if rows else 0))
-        bounds = [rows * k // parts for k in range(parts + 1)]
-        others: list[Future[None]] = []
-        if parts > 1:
+        nbytes = int(local[:, 1].sum()) if rows else 0
+        threads = max(1, min(rows, self.num_parts(nbytes)))
+        run = CopyRun(source, local, remote, threads)
+        if threads > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads - 1,
                                                 thread_name_prefix="kvbridge-local-copy")
-            others = [self._pool.submit(source.readv, local[a:b], remote[a:b])
-                      for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-        if others:  # a helper needs the GIL to start its copy: let it have it now
-            time.sleep(0)
+            run.helpers = [self._pool.submit(run.work) for _ in range(threads - 1)]
+            time.sleep(0)  # a helper needs the GIL to start its copy: let it have it now
         if meanwhile is not None:
             try:
                 meanwhile()
             except BaseException:
-                futures_wait(others)
+                self.abandon(run)
                 raise
-        error: BaseException | None = None
-        try:
-            source.readv(local[: bounds[1]], remote[: bounds[1]])
-        except Exception as exc:
-            error = exc
-        return CopyRun(source, others, error)
+        run.work(time.perf_counter() + _LOOP_SLICE_S)
+        return run
 
-    async def finish(self, run: CopyRun) -> None:
-        """Wait for every part of ``run``, then check the source.
+    async def finish(self, run: CopyRun, spot: BoardSpot | None = None) -> bool:
+        """Copy what is left of ``run`` here, then check the source (and ``spot``).
 
-        Returns only when every part has ended, also on failure or cancellation:
-        no thread of ours writes into the local blocks after this returns or raises.
+        This thread copies in slices of ``_LOOP_SLICE_S``, yielding to the loop
+        between them, then waits (blocking: one piece's time at most) for the
+        pieces helpers still copy. Returns only when no thread of ours writes
+        into the local blocks any more, also on failure or cancellation.
+
+        Returns:
+            ``CopySource.check(spot)``: False if the board's slot changed meanwhile.
 
         Raises:
             The errors of ``CopySource.readv`` and ``CopySource.check``.
         """
-        if run.parts:
-            try:
-                await asyncio.wait([asyncio.wrap_future(part) for part in run.parts])
-            except asyncio.CancelledError:
-                self.abandon(run)
-                raise
-        error = run.error
-        for part in run.parts:
-            if error is None:
-                error = part.exception()
-        if error is not None:
-            raise error
-        run.source.check()
+        try:
+            while not run.work(time.perf_counter() + _LOOP_SLICE_S):
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.abandon(run)
+            raise
+        run.wait_idle()
+        if run.error is not None:
+            raise run.error
+        return run.source.check(spot)
 
     @staticmethod
     def abandon(run: CopyRun) -> None:
-        """Wait (blocking) until no part of ``run`` still writes; ignore its outcome."""
-        futures_wait(run.parts)
+        """Stop ``run`` and wait (blocking) until no piece of it is being copied."""
+        run.close()
+        run.wait_idle()
 
     async def copy(self, source: CopySource, local: IovArray, remote: IovArray) -> None:
         """``finish(start(...))``."""

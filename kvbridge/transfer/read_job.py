@@ -161,6 +161,12 @@ class Reads:
     def submit(self, job: ReadJob) -> None:
         cached = self._cached_links(job.engine_id)  # before begin: it may kill a link
         started = self._begin_at_once(job)
+        if started is not None:
+            done = started[0].finished_now(started[1])
+            if done is not None:  # a same-host copy that ``begin`` made whole
+                self._record(job, [done], [], 1)
+                self._report_later(started[0], job, done)
+                return
         task = asyncio.create_task(self._run(job, cached, started))
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
@@ -329,19 +335,23 @@ class Reads:
             due.cancel()
             for task in renewer:
                 task.cancel()
-        # The data is here: report it without waiting, and only once the job's
-        # outcome is recorded (same task step, a few returns up): the engine first.
-        asyncio.get_running_loop().call_soon(self._notify_later, link, job.grant)
+        self._report_later(link, job, result)
         return result
 
-    def _notify_later(self, link: PeerLink, grant: str) -> None:
+    def _report_later(self, link: PeerLink, job: ReadJob, result: ItemResult) -> None:
+        """The data is here: report it without waiting, once the job's outcome is
+        recorded (a few returns up, or just before): the engine first."""
+        asyncio.get_running_loop().call_soon(self._notify_later, link, job.grant,
+                                             result.nbytes if result.unasked else 0)
+
+    def _notify_later(self, link: PeerLink, grant: str, copied_nbytes: int) -> None:
         """Report a successful read to the server without waiting for the send.
 
         If the report is lost (link died), the server frees the blocks when the
         lease expires; the read itself already succeeded.
         """
         try:
-            sent = link.notify_nowait(grant, self.reader_id)
+            sent = link.notify_nowait(grant, self.reader_id, copied_nbytes)
         except TransferError as exc:
             logger.info("done report to %s not delivered: %s", link.peer, exc)
             return

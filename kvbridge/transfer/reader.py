@@ -58,6 +58,7 @@ from kvbridge.transfer.errors import (
     RejectedError,
     TransferError,
 )
+from kvbridge.transfer.grant_board import BoardSpot
 from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.iov import post_recv_iov
 from kvbridge.transfer.local_copy import (
@@ -97,6 +98,7 @@ class ItemResult:
     num_messages: int
     direct: bool = False  # block memory to block memory, no staging
     local_copy: bool = False  # copied out of the server's memory by us (same host)
+    unasked: bool = False  # ... on the server's grant board's word (``grant_board.py``)
 
 
 class PeerLink:
@@ -247,15 +249,17 @@ class PeerLink:
         """Tell the server this reader is done with ``grant`` (``ok=False``: gave up)."""
         await self._send(wire.ReadDone(grant, reader_id, ok))
 
-    def notify_nowait(self, grant: str, reader_id: str) -> asyncio.Future[None]:
+    def notify_nowait(self, grant: str, reader_id: str, copied_nbytes: int = 0
+                      ) -> asyncio.Future[None]:
         """Report a successful read without waiting; the future ends with the send.
 
         A lost report costs only time: the server frees at lease expiry.
+        ``copied_nbytes``: what the read copied on the grant board's word.
 
         Raises:
             TransferError: the link is already dead.
         """
-        return self._post(wire.ReadDone(grant, reader_id, True))
+        return self._post(wire.ReadDone(grant, reader_id, True, copied_nbytes))
 
     async def renew(self, grant: str, lease_s: float) -> float:
         """Extend the grant's lease; return the seconds the server now grants."""
@@ -342,6 +346,26 @@ class PeerLink:
                 begun.direct = self._begin_direct(request, item, local_ids, local_span)
         return begun
 
+    def finished_now(self, begun: BegunRead) -> ItemResult | None:
+        """The result of a begun read that needs no more waiting, else None.
+
+        That is a copy on the grant board's word which ``begin`` copied whole
+        (the board still says the same). None: ``finish`` it as usual (which
+        also reports what went wrong, if anything did).
+        """
+        copy = begun.copy
+        if copy is None or copy.spot is None or copy.early is None or not copy.early.exhausted:
+            return None
+        copy.early.wait_idle()
+        try:
+            if copy.early.error is not None or not copy.source.check(copy.spot):
+                return None
+        except TransferError:
+            return None
+        copy.early = None
+        copy.result.unasked = True
+        return copy.result
+
     async def finish(self, begun: BegunRead) -> ItemResult:
         """Wait for a begun read to land (and unpack it); the rest of ``read``."""
         if begun.direct is not None:
@@ -404,47 +428,68 @@ class PeerLink:
         self, request: wire.ReadRequest, item: RemoteRead, local_ids: Sequence[int],
         span: HeadSpan, nbytes: int,
     ) -> _CopyRead:
-        """Ask for a same-host copy; when an earlier go tells where, copy at once.
+        """Start a same-host copy: on the board's word, or asked for (at once if we can).
 
-        The blocks of a grant the server is about to confirm have not changed
-        since the grant was issued (they change only after its release), so a
-        copy made while the server checks is as good as one made after, if the
-        server's go says the blocks are where we copied from (``_finish_copy``).
+        Where an earlier go of this shape (layers, heads) told where the blocks
+        sit, the copy starts now: without asking at all if the server's grant
+        board says the grant is live and holds the blocks (``grant_board.py``),
+        else while the server checks, since the blocks of a grant it is about to
+        confirm have not changed since the grant was issued (they change only
+        after its release): such a copy is kept if the go places the blocks where
+        it copied from (``_finish_copy``).
         """
         ctx, source = self._ctx, self.copy_source
         assert source is not None and ctx.copier is not None
-        started = time.monotonic()  # before the server can start its hold
         request = self._direct_request(request, item, local_copy=True)
-        key = ("data", request.xfer_id)
-        reply: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        ids = np.asarray(local_ids, dtype=np.int64)
+        layers = slice(item.local_layers.start, item.local_layers.stop)
+        offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
+        local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
+        result = ItemResult(nbytes, 3, direct=True, local_copy=True)
         guess = self._copy_gos.get(_copy_shape(request))
+        reply: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        copy = _CopyRead(("data", request.xfer_id), reply, time.monotonic(), request, source,
+                         local_iov, span, result, guess)
+        if guess is not None:
+            copy.spot = source.find_grant(request.grant, request.block_ids,
+                                          request.prompt_digest, guess.place)
+            if copy.spot is not None:
+                copy.early = ctx.copier.start(source, local_iov, self._remote_ranges(copy, guess))
+                return copy
         # Ask first, unless helper threads can start copying while we ask.
         ask_first = guess is None or ctx.copier.num_parts(nbytes) == 1
-        self._waiters[key] = reply
+        self._waiters[copy.key] = reply
         try:
             if ask_first:
                 self._post(request)
-            ids = np.asarray(local_ids, dtype=np.int64)
-            layers = slice(item.local_layers.start, item.local_layers.stop)
-            offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
-            local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
-            result = ItemResult(nbytes, 3, direct=True, local_copy=True)
-            copy = _CopyRead(key, reply, started, request, source, local_iov, span, result, guess)
             if guess is not None:
                 copy.early = ctx.copier.start(
                     source, local_iov, self._remote_ranges(copy, guess),
                     meanwhile=None if ask_first else lambda: self._post(request),
                 )
         except BaseException:
-            self._waiters.pop(key, None)
+            self._waiters.pop(copy.key, None)
             raise
         return copy
+
+    def _ask(self, copy: _CopyRead) -> None:
+        """Ask the server for ``copy`` after all (the board's word did not hold)."""
+        copy.spot = None
+        copy.started = time.monotonic()
+        self._waiters[copy.key] = copy.reply
+        try:
+            self._post(copy.request)
+        except BaseException:
+            self._waiters.pop(copy.key, None)
+            raise
 
     async def _finish_copy(self, copy: _CopyRead) -> ItemResult:
         """Finish the early copy or copy after the go; check the hold; say ``CopyDone``.
 
-        The bytes of an early copy are kept only if the go places the blocks
-        where it copied from; nothing is kept without a go.
+        A copy on the board's word is kept if the board still says the same
+        after it (else the server is asked). The bytes of an early copy are kept
+        only if the go places the blocks where it copied from; nothing else is
+        kept without a go.
         """
         ctx = self._ctx
         assert ctx.copier is not None
@@ -454,10 +499,16 @@ class PeerLink:
             if copy.early is not None:
                 with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
                     early, copy.early = copy.early, None
-                    if early.parts:  # our helpers copy on: spinning would take their core
+                    if early.helpers:  # our helpers copy on: spinning would take their core
                         self._conn.stop_spinning()
-                    await ctx.copier.finish(early)
-                    copied = copy.guess
+                    if await ctx.copier.finish(early, copy.spot):
+                        copied = copy.guess
+            if copy.spot is not None:
+                if copied is not None:
+                    ok = True
+                    copy.result.unasked = True
+                    return copy.result
+                self._ask(copy)  # the grant changed meanwhile, or the copy failed
             go = await self._copy_go(copy)
             if copied is None or _place(go) != _place(copied):  # new shape, or blocks moved
                 await ctx.copier.copy(copy.source, copy.local_iov, self._remote_ranges(copy, go))
@@ -474,11 +525,14 @@ class PeerLink:
             self._fail(exc)
             raise
         finally:
-            self._waiters.pop(copy.key, None)
-            # After the outcome is recorded (a few returns up). Also when we gave up
-            # before the go came: it may still come, pinning the grant until its hold.
-            if copy.answered or not ok:
-                asyncio.get_running_loop().call_soon(self._copy_done, copy.request.xfer_id, ok)
+            if copy.spot is None:
+                self._waiters.pop(copy.key, None)
+                # After the outcome is recorded (a few returns up). Also when we gave
+                # up before the go came: it may still come, pinning the grant until
+                # its hold.
+                if copy.answered or not ok:
+                    asyncio.get_running_loop().call_soon(self._copy_done, copy.request.xfer_id,
+                                                         ok)
         return copy.result
 
     def _copy_done(self, xfer_id: int, ok: bool) -> None:
@@ -682,6 +736,7 @@ class _CopyRead:
     result: ItemResult
     guess: wire.CopyGo | None = None  # an earlier go of this shape, copied from early
     early: CopyRun | None = None  # that copy, started by ``_begin_copy``
+    spot: BoardSpot | None = None  # where the board said yes: copied without asking
     answered: bool = False  # the server pinned the grant for us: say CopyDone
 
 

@@ -65,7 +65,8 @@ from kvbridge.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 3  # 2: direct reads, prompt-bound grants; 3: same-host copies
+PROTOCOL_VERSION: int = 4  # 2: direct reads, prompt-bound grants; 3: same-host copies;
+# 4: the grant board (copies without asking)
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning

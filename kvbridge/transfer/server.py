@@ -108,6 +108,7 @@ class ServerContext:
     probe: ProbeCell | None = None
     host: wire.HostInfo | None = None
     num_holds: int = 0  # same-host copies pinned right now, sessions ended or not
+    num_board_copies: int = 0  # same-host copies made on the grant board's word
 
 
 @dataclass(eq=False, slots=True)
@@ -236,6 +237,10 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     if hold is not None:  # else: its hold already ended
                         hold.end(served=ok)
                 case wire.ReadDone(grant=token, reader_id=reader_id, ok=ok):
+                    if msg.copied_nbytes:  # a copy on the board's word: counted only
+                        ctx.num_board_copies += 1
+                        ctx.num_reads_served += 1
+                        ctx.num_bytes_served += msg.copied_nbytes
                     # Not cancelled with the session: a reader may say goodbye right
                     # after its report, and the report must still count.
                     report = asyncio.create_task(
@@ -550,7 +555,7 @@ class _CopyHold:
         ctx.num_holds += 1
         origins = local.plane_origins(slice(req.layer_start, req.layer_end))
         go = wire.CopyGo(req.xfer_id, origins.tobytes(), local.plane_block_nbytes, span.offset,
-                         span.nbytes, hold_s)
+                         span.nbytes, hold_s, local.place())
         try:
             conn.post_frame(ctx.codec.encode(go)).add_done_callback(_ignore_outcome)
         except TransferError as exc:  # the connection is gone; the reader may not know yet

@@ -24,6 +24,12 @@ Same host (``local_copy.py``; offered in ``AgentMetadata.host``)::
     R       copies the blocks out of S's memory itself (process_vm_readv)
     R -> S  CopyDone(xfer_id, ok)          S unpins (or at hold_s, whichever first)
 
+    or, when S's board of grants (``grant_board.py``, offered in ``HostInfo``) says
+    the grant is live and holds the blocks, and an earlier CopyGo of the same shape
+    said where they are, without asking:
+    R       reads the board, copies, reads the board again (the grant stayed live)
+    R -> S  ReadDone(..., copied_nbytes)   the bytes so copied, for S's counters
+
     R -> S  RenewLease(grant, lease_s)   S -> R LeaseRenewed(grant, remaining_s)
     either  Ping(seq) / Pong(seq)         heartbeats on idle connections
     either  Bye(reason)                   graceful close
@@ -141,6 +147,8 @@ class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
     pid: Positive
     probe_address: Address
     probe: Blob
+    board_address: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # 0: no board
+    board_slots: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
 
 
 class AgentMetadata(_Msg, tag="metadata"):
@@ -210,6 +218,9 @@ class CopyGo(_Msg, tag="copy_go"):
     span_offset: Count
     span_nbytes: Positive
     hold_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+    # ``LocalKV.place`` when the origins were taken; the grant board's slots carry
+    # it too, and a copy on the board's word needs the two equal. 0: unknown.
+    place: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class CopyDone(_Msg, tag="copy_done"):
@@ -230,6 +241,8 @@ class ReadDone(_Msg, tag="done"):
     grant: Name
     reader_id: Name
     ok: bool = True
+    # Bytes the reader copied on the grant board's word (no CopyGo): counters only.
+    copied_nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)] = 0
 
 
 class RenewLease(_Msg, tag="renew"):

@@ -195,18 +195,80 @@ def test_either_side_can_turn_copies_off(hosts: tuple[Host, Host], side: str) ->
     assert server.call("counters").num_data_bytes_sent > 0  # through UCX
 
 
+@pytest.mark.parametrize("board", [True, False])
 def test_copies_after_the_first_start_before_the_go_and_stay_exact(
-    hosts: tuple[Host, Host],
+    hosts: tuple[Host, Host], board: bool,
 ) -> None:
-    """The second read of a shape copies while the server checks; the bytes must still be
-    the server's, also after the server's caches were rewritten between reads."""
-    server = add(hosts[0], P_SPEC)
+    """The second read of a shape copies at once: on the grant board's word (no
+    question to the server at all), or while the server checks. The bytes must
+    still be the server's, also after its caches were rewritten between reads."""
+    server = add(hosts[0], P_SPEC, grant_board=board)
     reader = add(hosts[1], D_SPEC)
+    server.call("caches")  # (sending them here moves them once: see the next test)
     for n, blocks in enumerate([[1, 2, 3], [7, 8, 9], [3, 1, 2]]):
         stats = read_ok(server, reader, f"again-{n}", blocks, [20, 21, 22])
         assert stats.num_local_copies == 1
         reader.call("zero")
-    assert server.call("counters").num_data_bytes_sent == 0  # nothing went through UCX
+    for n in range(3):
+        wait_released(server, f"again-{n}")  # the reader's done reports count
+    counters = server.call("counters")
+    assert counters.num_data_bytes_sent == 0  # nothing went through UCX
+    assert counters.num_board_copies == (2 if board else 0)  # the first read asks
+    assert counters.num_reads_served == 3 and counters.num_copy_holds == 0
+    assert counters.num_bytes_served == 3 * 3 * 4 * 2 * 16 * 8 * 64 * 2
+
+
+def test_caches_that_moved_are_never_copied_from_their_old_place(
+    hosts: tuple[Host, Host],
+) -> None:
+    """Pickling a tensor to another process moves its storage into shared memory. The
+    server's caches move so when ``read_ok`` first fetches them to compare: the next read
+    must not copy from where the first read's go said the blocks were."""
+    server = add(hosts[0], P_SPEC)
+    reader = add(hosts[1], D_SPEC)
+    read_ok(server, reader, "before", [1, 2], [3, 4])  # asks; then the caches move
+    read_ok(server, reader, "moved", [5, 6], [3, 4])  # the board's place differs: asks
+    assert server.call("counters").num_board_copies == 0
+    read_ok(server, reader, "settled", [7, 8], [3, 4])  # the new go's place: on the board
+    assert server.call("counters").num_board_copies == 1
+
+
+@pytest.mark.parametrize("case", ["outside", "prompt", "expired", "released"])
+def test_the_board_never_allows_what_the_server_refuses(
+    hosts: tuple[Host, Host], case: str,
+) -> None:
+    """A read the board does not allow asks the server, which refuses it as always:
+    the reader reports the blocks failed and copies nothing on the board's word."""
+    server = add(hosts[0], P_SPEC, expire_every_s=60.0)  # leases end, nothing expires them
+    reader = add(hosts[1], D_SPEC)
+    server.call("caches")  # moved once, before any go
+    read_ok(server, reader, "first", [1, 2], [3, 4])  # the shape's go is known now
+    digest = b"the prompt the grant holds"
+    token = secrets.token_urlsafe(16)
+    lease_s = 0.3 if case == "expired" else None
+    server.call("issue", "bad", [5, 6], 1, lease_s, token, digest)
+    blocks, prompt = [5, 6], digest
+    if case == "outside":
+        blocks = [5, 7]
+    elif case == "prompt":
+        prompt = b"another prompt"
+    elif case == "expired":
+        time.sleep(0.5)
+    else:  # read again after the one reader reported: the grant is gone
+        reader.call("read", request_id="ok", engine_id="p-x", host="127.0.0.1",
+                    port=server.port, remote_block_ids=blocks, local_block_ids=[8, 9],
+                    grant=token, num_tokens=32, prompt_digest=prompt)
+        assert wait_read(reader, "ok")["failed"] == set()
+        wait_released(server, "bad")
+    reader.call("read", request_id="refused", engine_id="p-x", host="127.0.0.1",
+                port=server.port, remote_block_ids=blocks, local_block_ids=[8, 9],
+                grant=token, num_tokens=32, prompt_digest=prompt)
+    outcome = wait_read(reader, "refused")
+    assert outcome["failed"] == {8, 9}
+    [stats] = outcome["stats"]
+    assert "RejectedError" in stats.error, stats
+    counters = server.call("counters")
+    assert counters.num_board_copies == (1 if case == "released" else 0)
 
 
 def test_a_copy_that_outlives_its_hold_is_dropped(hosts: tuple[Host, Host]) -> None:

@@ -61,12 +61,15 @@ def test_missing_reader_lets_the_lease_expire_once_and_readers_run_concurrently(
         read([readers[0]], [server], "half-read", expecting_two, [50, 51], [60, 61], 32)
         for i, rid in enumerate(requests):
             assert wait_read(readers[i], rid)["failed"] == set()
+        # Before fetching any cache: sending a tensor to this process moves its storage
+        # (into shared memory), and a read still landing in it would write freed memory.
+        assert wait_read(readers[0], "half-read")["failed"] == set()
+        for i, rid in enumerate(requests):
             local = [10 * i + j for j in range(3)]
             got = logical(readers[i].call("caches"), readers[i].spec, local, 40)
             want = logical(server.call("caches"), server.spec, requests[rid][0], 40)
             assert torch.equal(got, want)
             wait_released(server, rid)
-        assert wait_read(readers[0], "half-read")["failed"] == set()
         # only one of two expected readers reported: the lease, not the readers, frees it
         wait_released(server, "half-read", timeout_s=5.0)
         stats, num_live = server.call("grant_stats")

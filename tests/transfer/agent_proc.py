@@ -125,10 +125,11 @@ def _child(conn: Connection) -> None:
             agents[name] = (agent, caches)
             return agent.start()
         agent, caches = agents[name]
-        if cmd == "issue":
-            request_id, block_ids, num_readers, lease_s, token = args
+        if cmd == "issue":  # (request_id, block_ids, num_readers, lease_s, token[, digest])
+            request_id, block_ids, num_readers, lease_s, token, *digest = args
             return agent.issue_grant(request_id, block_ids, num_readers, lease_s=lease_s,
-                                     token=token).token
+                                     token=token, prompt_digest=digest[0] if digest else None,
+                                     ).token
         if cmd == "read":
             agent.start_read(**args)
             return None

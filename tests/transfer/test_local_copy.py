@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -19,6 +20,7 @@ import pytest
 
 from kvbridge.transfer import local_copy, wire
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
+from kvbridge.transfer.grant_board import GrantBoard
 from kvbridge.transfer.local_copy import Copier, CopySource, ProbeCell, allowed
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process_vm_readv is Linux's")
@@ -100,6 +102,10 @@ def test_copier_splits_a_large_copy_over_threads(holder: Holder) -> None:
     try:
         asyncio.run(copier.copy(source, local, remote))
         assert copier._pool is not None  # it did split (16 MiB >= 2 * MIN_PART_NBYTES)
+        # again, with a helper that takes long to start: this thread copies the rest
+        out[:] = 0
+        copier._pool.submit(time.sleep, 0.05)
+        asyncio.run(copier.copy(source, local, remote))
     finally:
         copier.close()
     pool = holder.pool
@@ -168,3 +174,62 @@ def test_allowed_follows_config_and_environment(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert allowed(enabled) is expected
+
+
+def _board_holder(conn: Connection) -> None:
+    probe, board = ProbeCell(), GrantBoard(lambda: 5, 64)
+    board.publish("table-token-0000000000", [1, 2, 3], 30.0, b"prompt", name="engine-token")
+    conn.send(probe.host_info(board))
+    while (cmd := conn.recv()) != "go":
+        if cmd == "withdraw":
+            board.withdraw("table-token-0000000000")
+        conn.send("ok")
+
+
+def test_a_reader_reads_the_board_of_another_process_and_sees_a_withdrawal() -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_board_holder, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30), "board holder did not start"
+        info = parent.recv()
+        assert info.board_address and info.board_slots == 64
+        source = CopySource.open(info, "holder")
+        assert source is not None
+        spot = source.find_grant("engine-token", [3, 1], b"prompt", 5)
+        assert spot is not None and source.check(spot)
+        assert source.find_grant("engine-token", [3, 4], b"prompt", 5) is None
+        assert source.find_grant("engine-token", [3], b"another prompt", 5) is None
+        assert source.find_grant("table-token-0000000000", [3], b"prompt", 5) is None
+        parent.send("withdraw")
+        assert parent.recv() == "ok"
+        assert not source.check(spot)  # a copy made across the withdrawal is dropped
+        assert source.find_grant("engine-token", [3], b"prompt", 5) is None
+    finally:
+        parent.send("go")
+        proc.join(10)
+
+
+def test_a_server_without_a_board_is_never_found_on_one(holder: Holder) -> None:
+    source = CopySource.open(holder.info, "holder")
+    assert source is not None and holder.info.board_address == 0
+    assert source.find_grant("any-token-0000000000", [1], b"", 5) is None
+
+
+def test_a_shared_copy_that_faults_stops_and_raises(holder: Holder) -> None:
+    source = CopySource.open(holder.info, "holder")
+    assert source is not None
+    run = 32 << 10
+    rows = 512  # 16 MiB: shared out in pieces over the threads
+    out = np.zeros(rows * run, dtype=np.uint8)
+    local = ranges(out.ctypes.data, [i * run for i in range(rows)], run)
+    remote = ranges(holder.base, [i * run for i in range(rows)], run)
+    remote[rows // 2, 0] = 4096  # memory the holder does not have
+    copier = Copier(2)
+    try:
+        with pytest.raises(ProtocolError, match="moved|does not have"):  # short or refused
+            asyncio.run(copier.copy(source, local, remote))
+        assert np.array_equal(out[:run], holder.pool[:run])  # the first piece landed
+    finally:
+        copier.close()

@@ -1,0 +1,226 @@
+"""The server's board of live grants, which a same-host reader checks for itself.
+
+A same-host copy (``local_copy.py``) needs the server's word that the grant is
+live and holds the read's blocks. Asked for (``CopyGo``), that word costs a
+round trip through the server's event loop, and on a busy host the server may
+wait for a core until the reader's own copy threads leave one. The board gives
+the same word without asking: the server writes every live grant (token digest,
+block ids, prompt digest, lease deadline) into a table in its memory, and the
+reader reads it from there with the same ``process_vm_readv`` it copies with.
+
+Each slot is a *sequence lock*. The server changes a slot only under the grant
+table's lock, and only like this::
+
+    publish    seq odd -> fields written -> seq + 1 (even: live)
+    withdraw   seq + 1 (odd: gone)      before the grant's blocks go back to its owner
+    renew      the deadline alone (one aligned 8-byte store; seq unchanged)
+
+A reader reads ``seq`` (before the slot's other fields: a separate iovec of the
+same call, and the kernel copies iovecs in order), checks the fields, copies the
+blocks, then reads ``seq`` again. The same even value both times means the grant
+was live, unchanged, from before the copy to after it: its blocks cannot have
+been handed back (withdraw comes first) while they were copied. Any other value
+and the copy is dropped; the reader then asks the server as usual, which also
+answers a grant that really is gone with the usual rejection. A slot found busy,
+a grant not on the board (more than ``MAX_BLOCKS`` blocks, or a full window),
+anything unexpected: the reader asks. The board never says no, it only lets a
+reader skip asking when it says yes.
+
+A slot (``SLOT_NBYTES``)::
+
+    word 0   seq                     u64   0 never used, odd gone/writing, even live
+    words 1-2  token digest          16 B  blake2b of the token
+    words 3-4  prompt digest digest  16 B  blake2b of the grant's prompt digest
+    word 5   deadline                f64   lease end, ``time.monotonic()`` seconds
+    word 6   num_blocks | bound<<32  u64   bound: the grant names a prompt
+    word 7   place                   u64   where the caches were (``LocalKV.place``)
+    then     block ids               u32 x MAX_BLOCKS
+
+A grant's slot is one of ``WINDOW`` slots from its token digest's home slot, so a
+reader finds it with one read of ``WINDOW`` slots.
+
+Where the blocks are the board does not say: the reader takes that from an
+earlier ``CopyGo``, and only if the go's ``place`` (a fingerprint of the cache
+tensors' addresses when the go was made) equals the slot's (taken when the
+grant was published). Caches that moved since (a tensor's storage can move,
+e.g. into shared memory when it is pickled to another process) make the two
+differ, and the reader asks. The server also looks every ``expire_every_s`` and
+takes everything off the board when its caches moved (``GrantTable.refresh_board``):
+caches that move while grants are live are not supported on any path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "MAX_BLOCKS",
+    "SLOT_NBYTES",
+    "WINDOW",
+    "BoardSpot",
+    "GrantBoard",
+    "find_grant",
+    "home_slot",
+    "token_digest",
+]
+
+MAX_BLOCKS = 256  # block ids a slot holds; larger grants are not on the board
+WINDOW = 4  # slots a grant may sit in, from its home slot on
+NUM_SLOTS = 4096  # home slots (the table has WINDOW - 1 more, so windows never wrap)
+_HEADER_WORDS = 8
+SLOT_NBYTES = _HEADER_WORDS * 8 + MAX_BLOCKS * 4
+_SEQ, _TOKEN, _PROMPT, _DEADLINE, _COUNT, _PLACE = 0, 1, 3, 5, 6, 7
+_BOUND = 1 << 32
+_MAX_ID = (1 << 32) - 1
+_U64 = struct.Struct("<Q")
+_F64_U64_U64 = struct.Struct("<dQQ")
+
+
+def token_digest(token: str) -> bytes:
+    """What the board keeps of a token (16 bytes)."""
+    return hashlib.blake2b(token.encode(), digest_size=16, person=b"kvbridge-grant").digest()
+
+
+def _prompt_key(prompt_digest: bytes) -> bytes:
+    return hashlib.blake2b(prompt_digest, digest_size=16, person=b"kvbridge-prompt").digest()
+
+
+def home_slot(digest: bytes, num_slots: int) -> int:
+    """The first slot of a token's window."""
+    return int.from_bytes(digest[:8], "little") % num_slots
+
+
+class GrantBoard:
+    """The server's side: slots written under the grant table's lock (see the module doc).
+
+    Args:
+        place: where the caches are now (``LocalKV.place``), asked at each publish.
+        num_slots: home slots; a window of ``WINDOW`` slots starts at each.
+    """
+
+    def __init__(self, place: Callable[[], int], num_slots: int = NUM_SLOTS) -> None:
+        self._place = place
+        self.num_slots = num_slots
+        rows = num_slots + WINDOW - 1
+        self._buf = np.zeros(rows * SLOT_NBYTES, dtype=np.uint8)
+        self._words = self._buf.view(np.uint64).reshape(rows, SLOT_NBYTES // 8)
+        self._deadlines = self._buf.view(np.float64).reshape(rows, SLOT_NBYTES // 8)[:, _DEADLINE]
+        self._ids = self._buf.view(np.uint32).reshape(rows, SLOT_NBYTES // 4)[:, 2 * _HEADER_WORDS:]
+        self._used = np.zeros(rows, dtype=bool)
+        self._slot_of: dict[str, int] = {}
+        self._fence_lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        """Where the table starts in this process."""
+        return int(self._buf.ctypes.data)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def _fence(self) -> None:
+        # A release then an acquire: stores before it are visible before stores after it.
+        with self._fence_lock:
+            pass
+
+    def publish(self, token: str, block_ids: Sequence[int], deadline_in_s: float,
+                prompt_digest: bytes | None, name: str | None = None) -> bool:
+        """Put a live grant on the board; False (not on it) when it does not fit.
+
+        ``token`` keys it here (``renew``, ``withdraw``); readers look it up by
+        ``name``, the token they present (default ``token``; an engine-chosen
+        alias otherwise).
+        """
+        if len(block_ids) > MAX_BLOCKS or any(b > _MAX_ID for b in block_ids):
+            return False
+        digest = token_digest(token if name is None else name)
+        home = home_slot(digest, self.num_slots)
+        free = np.flatnonzero(~self._used[home : home + WINDOW])
+        if free.size == 0:
+            return False
+        slot = home + int(free[0])
+        words = self._words[slot]
+        seq = int(words[_SEQ])
+        words[_SEQ] = seq + 1 if seq % 2 == 0 else seq  # odd while written
+        self._fence()
+        words[_TOKEN : _TOKEN + 2] = np.frombuffer(digest, dtype=np.uint64)
+        bound = prompt_digest is not None
+        key = _prompt_key(prompt_digest) if prompt_digest is not None else bytes(16)
+        words[_PROMPT : _PROMPT + 2] = np.frombuffer(key, dtype=np.uint64)
+        self._deadlines[slot] = time.monotonic() + deadline_in_s
+        words[_COUNT] = len(block_ids) | (_BOUND if bound else 0)
+        words[_PLACE] = self._place()
+        self._ids[slot, : len(block_ids)] = block_ids
+        self._fence()
+        words[_SEQ] = int(words[_SEQ]) + 1  # even: live
+        self._used[slot] = True
+        self._slot_of[token] = slot
+        return True
+
+    def renew(self, token: str, deadline_in_s: float) -> None:
+        """Move a published grant's deadline (no-op when it is not on the board)."""
+        slot = self._slot_of.get(token)
+        if slot is not None:
+            self._deadlines[slot] = time.monotonic() + deadline_in_s
+
+    def withdraw_moved(self) -> int:
+        """Take off every grant published while the caches were elsewhere; how many."""
+        place = self._place()
+        moved = [t for t, slot in self._slot_of.items() if int(self._words[slot, _PLACE]) != place]
+        for token in moved:
+            self.withdraw(token)
+        return len(moved)
+
+    def withdraw(self, token: str) -> None:
+        """Take a grant off the board (before its blocks are handed back); idempotent."""
+        slot = self._slot_of.pop(token, None)
+        if slot is None:
+            return
+        self._words[slot, _SEQ] = int(self._words[slot, _SEQ]) + 1  # odd: gone
+        self._fence()
+        self._used[slot] = False
+
+
+@dataclass(frozen=True, slots=True)
+class BoardSpot:
+    """Where a reader found its grant: the slot's seq address and the value it read."""
+
+    seq_address: int
+    seq: int
+
+
+def find_grant(
+    window: bytes, window_address: int, token: str, block_ids: Sequence[int],
+    prompt_digest: bytes, now: float, place: int,
+) -> BoardSpot | None:
+    """The slot of ``window`` (copied from ``window_address``) that allows the read, or None.
+
+    Allows: live (even seq), the token's digest, every block id in the slot's,
+    the read's prompt digest if the grant names one, ``now`` before the deadline,
+    and the caches where ``place`` (from the go the reader copies by) says.
+    """
+    digest = token_digest(token)
+    for start in range(0, len(window) - SLOT_NBYTES + 1, SLOT_NBYTES):
+        seq, = _U64.unpack_from(window, start)
+        if seq == 0 or seq % 2 or window[start + 8 : start + 24] != digest:
+            continue
+        deadline, count, slot_place = _F64_U64_U64.unpack_from(window, start + 8 * _DEADLINE)
+        num_blocks = count & _MAX_ID
+        if num_blocks > MAX_BLOCKS or not now < deadline or not place or slot_place != place:
+            return None
+        if count & _BOUND and (not prompt_digest or window[start + 24 : start + 40]
+                               != _prompt_key(prompt_digest)):
+            return None
+        first = start + 8 * _HEADER_WORDS
+        granted = set(np.frombuffer(window, np.uint32, num_blocks, first).tolist())
+        if not granted.issuperset(block_ids):
+            return None
+        return BoardSpot(window_address + start, seq)
+    return None
