@@ -197,16 +197,15 @@ class BoardSpot:
 
 
 def find_grant(
-    window: bytes, window_address: int, token: str, block_ids: Sequence[int],
+    window: bytes, window_address: int, digest: bytes, block_ids: Sequence[int],
     prompt_digest: bytes, now: float, place: int,
 ) -> BoardSpot | None:
     """The slot of ``window`` (copied from ``window_address``) that allows the read, or None.
 
-    Allows: live (even seq), the token's digest, every block id in the slot's,
+    Allows: live (even seq), the token's ``digest``, every block id in the slot's,
     the read's prompt digest if the grant names one, ``now`` before the deadline,
     and the caches where ``place`` (from the go the reader copies by) says.
     """
-    digest = token_digest(token)
     for start in range(0, len(window) - SLOT_NBYTES + 1, SLOT_NBYTES):
         seq, = _U64.unpack_from(window, start)
         if seq == 0 or seq % 2 or window[start + 8 : start + 24] != digest:

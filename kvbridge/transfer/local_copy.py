@@ -101,7 +101,7 @@ _PROBE_NBYTES = 16
 #: Below this many bytes per thread a copy is not split (a thread hop costs ~50 us).
 MIN_PART_NBYTES = 4 << 20
 # A piece a thread takes of a shared copy: few calls (~10 us each), a short tail.
-_MIN_PIECE_NBYTES = 2 << 20
+_MIN_PIECE_NBYTES = 4 << 20
 _MAX_PIECE_NBYTES = 8 << 20  # ~1 ms inside the kernel, where it is not preempted
 _LOOP_SLICE_S = 0.005  # the loop thread copies this long at most before it yields
 _UCX_SHM_TRANSPORTS = frozenset({"all", "sm", "shm", "cma", "posix", "sysv"})
@@ -260,14 +260,15 @@ class CopySource:
         """
         if not self.board_slots:
             return None
-        start = self.board_address + home_slot(token_digest(token), self.board_slots) * SLOT_NBYTES
+        digest = token_digest(token)
+        start = self.board_address + home_slot(digest, self.board_slots) * SLOT_NBYTES
         self._window_remote[:, 0] = self._window_offsets + np.uint64(start)
         assert _readv is not None
         got = _readv(self.pid, self._window_local.ctypes.data, 1,
                      self._window_remote.ctypes.data, 2 * WINDOW, 0)
         if got != self._window.size:
             return None
-        return find_grant(self._window.tobytes(), start, token, block_ids, prompt_digest,
+        return find_grant(self._window.tobytes(), start, digest, block_ids, prompt_digest,
                           time.monotonic(), place)
 
     def readv(self, local: IovArray, remote: IovArray) -> None:
