@@ -55,6 +55,7 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
     import torch
 
     from kvbridge.layout import KVLayout
+    from kvbridge.paged.host_memory import kv_cache_zeros
     from kvbridge.topology import EngineTopology
     from kvbridge.transfer.agent import TransferAgent
     from kvbridge.transfer.config import AgentConfig
@@ -64,7 +65,8 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
     compat = CompatInfo("bench", "bfloat16", NUM_KV_HEADS, HEAD_DIM, num_layers, KVLayout.NHD,
                         BLOCK_SIZE, False)
     shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
+    # as the reference engine allocates its caches (huge pages where the OS has them)
+    caches = [kv_cache_zeros(shape, torch.bfloat16) for _ in range(num_layers)]
     agent = TransferAgent(engine_id, topo, 0, 0, compat,
                           config=AgentConfig(local_copy=local_copy))
     agent.register_kv_caches(caches)

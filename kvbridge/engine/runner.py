@@ -35,6 +35,7 @@ from kvbridge.engine.weights import init_weights, load_safetensors_dir
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVLayout
 from kvbridge.paged.block_table import BlockTable, GroupTableSpec
+from kvbridge.paged.host_memory import kv_cache_zeros
 from kvbridge.topology import heads_for_tp_rank
 
 
@@ -211,8 +212,8 @@ class ModelRunner:
         shape = kv_cache_shape(
             self.layout, num_blocks, block_size, len(self.kv_heads), model_config.head_dim
         )
-        self.kv_caches: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=model_config.torch_dtype, device=self.device)
+        self.kv_caches: list[torch.Tensor] = [  # huge pages on the host: paged/host_memory.py
+            kv_cache_zeros(shape, model_config.torch_dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
         self._table = BlockTable(
