@@ -184,7 +184,6 @@ class CopySource:
     def __init__(self, info: wire.HostInfo) -> None:
         self.pid = info.pid
         self._probe = info.probe
-        self._probe_iov = np.array([[info.probe_address, len(info.probe)]], dtype=np.uint64)
         self._got = np.zeros(len(info.probe) + 8, dtype=np.uint8)  # the probe, a board seq
         self._got_iov = np.array([[self._got.ctypes.data, len(info.probe)],
                                   [self._got.ctypes.data + len(info.probe), 8]], dtype=np.uint64)
