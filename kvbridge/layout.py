@@ -6,6 +6,16 @@ Per layer, K and V::
     HND  [2, num_blocks, num_kv_heads, block_size, head_dim]
 
 MLA keeps one latent per token: ``[num_blocks, block_size, latent_dim]``.
+
+vLLM's CPU backend fuses K and V into one plane per layer (``fused_kv`` in
+``EngineTopology``), always heads outer::
+
+    fused  [num_blocks, num_kv_heads, block_size, 2 * head_dim]
+           per block and head: K^T [head_dim, block_size] | V [block_size, head_dim]
+
+kvbridge treats its last dim as one "row" per head and token slot (HND, one
+plane), which is exact for whole blocks and head slices only: K is not
+token-major, so such blocks are never re-blocked or relaid out.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_engine_id: P's engine id.
         remote_host: P's transfer host.
         remote_port: P's transfer base port.
+        remote_ports: the port of each of P's global ranks (empty: base + rank).
         remote_tp_size: P's TP size (the handshake is authoritative).
         remote_pp_size: P's PP size.
         remote_block_size: P's block size.
@@ -52,6 +53,7 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: str
     remote_host: str
     remote_port: int
+    remote_ports: list[int] = []
     remote_tp_size: int
     remote_pp_size: int
     remote_block_size: int
@@ -63,6 +65,11 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
     def end_token(self) -> int:
         """One past the last loaded token."""
         return self.first_token + self.num_tokens
+
+    @property
+    def ports(self) -> int | list[int]:
+        """P's ports as ``TransferAgent.start_read`` takes them: per rank, else the base."""
+        return self.remote_ports or self.remote_port
 
 
 class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +100,7 @@ class NotifyRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_engine_id: P's engine id.
         remote_host: P's transfer host.
         remote_port: P's transfer base port.
+        remote_ports: the port of each of P's global ranks (empty: base + rank).
         grant: P's grant token.
         ok: True when nothing was needed (full local hit), False when the
             request was aborted or could not be loaded.
@@ -102,8 +110,14 @@ class NotifyRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: str
     remote_host: str
     remote_port: int
+    remote_ports: list[int] = []
     grant: str
     ok: bool
+
+    @property
+    def ports(self) -> int | list[int]:
+        """P's ports as ``TransferAgent.notify_done`` takes them: per rank, else the base."""
+        return self.remote_ports or self.remote_port
 
 
 class ConnectorMetadata(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,7 +46,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         do_remote_prefill: (to D) load the prompt's KV from the remote prefill.
         remote_engine_id: P's engine id.
         remote_host: P's transfer host.
-        remote_port: P's transfer base port; its global rank ``g`` listens on base + g.
+        remote_port: P's transfer base port; its global rank ``g`` listens on base + g
+            (when ``remote_ports`` is given: the port of its rank 0).
+        remote_ports: the port of each of P's global ranks, when its workers
+            listen on ports of their own choosing (empty: ``remote_port + g``).
         remote_block_ids: P's blocks holding the prompt, in token order.
         remote_tp_size: P's tensor-parallel size.
         remote_pp_size: P's pipeline-parallel size.
@@ -61,6 +64,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: Name | None = None
     remote_host: Name | None = None
     remote_port: Port | None = None
+    remote_ports: Annotated[list[Port], msgspec.Meta(max_length=4096)] = []
     remote_block_ids: list[Count] = []
     remote_tp_size: Size = 1
     remote_pp_size: Size = 1
@@ -86,6 +90,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             missing.append("remote_num_tokens")
         if not self.remote_block_ids:
             missing.append("remote_block_ids")
+        num_ranks = self.remote_tp_size * self.remote_pp_size
+        if self.remote_ports and len(self.remote_ports) != num_ranks:
+            missing.append(f"remote_ports ({len(self.remote_ports)} ports for {num_ranks} ranks)")
         elif self.remote_block_size is not None:
             num_needed = -(-self.remote_num_tokens // self.remote_block_size)
             if len(self.remote_block_ids) < num_needed:
@@ -101,7 +108,9 @@ def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:
 
     Never raises. A request that asks for both a remote prefill and a remote
     decode keeps only the prefill: a request loaded from a remote engine is not
-    served to another one (no transfer chains or loops).
+    served to another one (no transfer chains or loops). Fields given as JSON
+    ``null`` count as absent (vLLM's toy proxy sends ``"remote_block_ids": null``
+    and friends to P), and fields kvbridge does not know are ignored.
 
     Args:
         raw: ``None``, a ``dict`` decoded from JSON, or a :class:`KVTransferParams`.
@@ -117,6 +126,7 @@ def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:
             raw = msgspec.to_builtins(raw)
         if not isinstance(raw, dict):
             raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
+        raw = {key: value for key, value in raw.items() if value is not None}
         params = msgspec.convert(raw, KVTransferParams)
     except (msgspec.ValidationError, TypeError, ValueError) as exc:
         logger.warning("ignoring malformed kv_transfer_params (prefilling locally): %s", exc)

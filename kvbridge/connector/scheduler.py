@@ -75,10 +75,9 @@ from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.paged.manager import KVCacheBlocks
 from kvbridge.topology import EngineTopology
 
-__all__ = ["ConnectorRequest", "ConnectorScheduler", "KVLoadError", "Role"]
+__all__ = ["BlockIds", "ConnectorRequest", "ConnectorScheduler", "KVLoadError", "Role"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +123,13 @@ class ConnectorRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
 
 
+class BlockIds(Protocol):
+    """A request's blocks as the engine hands them over (``paged.manager.KVCacheBlocks``,
+    vLLM's ``KVCacheBlocks``): block ids per KV cache group."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]: ...
+
+
 @dataclass(slots=True)
 class _Load:
     """D: one request's load, from planning to its finish."""
@@ -153,6 +159,8 @@ class ConnectorScheduler:
         topology: this engine's topology.
         host: host P's readers connect to (this engine's transfer host).
         base_port: transfer base port; worker of global rank ``g`` listens on base + g.
+            0: the workers listen on ports of their own choosing, given later
+            with ``set_worker_ports`` (until then nothing is served).
         block_size: tokens per block (must equal ``topology.block_size``).
         lease_s: how long a finished prefill's blocks are held for readers.
         load_failure_policy: ``"recompute"`` rolls a request back to its first
@@ -184,7 +192,7 @@ class ConnectorScheduler:
         if block_size != topology.block_size:
             raise ConfigError(f"block_size {block_size} != topology block size "
                               f"{topology.block_size}")
-        if not 1 <= base_port <= 65535 - topology.world_size + 1 or not engine_id or not host:
+        if not 0 <= base_port <= 65535 - topology.world_size + 1 or not engine_id or not host:
             raise ConfigError(f"engine {engine_id!r} at {host!r}: base_port {base_port} must "
                               f"leave room for {topology.world_size} ports below 65536")
         if not math.isfinite(lease_s) or lease_s <= 0:
@@ -193,6 +201,7 @@ class ConnectorScheduler:
         self.host, self.base_port, self.block_size = host, base_port, block_size
         self.lease_s, self.load_failure_policy = lease_s, load_failure_policy
         self._clock = clock
+        self._ports: list[int] = []  # per global rank, when base_port is 0
         self._planned: dict[str, _Load] = {}  # asked, blocks not allocated yet
         self._loads: dict[str, _Load] = {}  # allocated, until the workers finish
         self._block_owner: dict[int, str] = {}  # written block id -> loading request
@@ -206,6 +215,22 @@ class ConnectorScheduler:
         self._invalid_block_ids: set[int] = set()
         self._failed: dict[str, tuple[list[int], set[int]]] = {}  # request -> (ids, bad)
         self._stats = ConnectorStats()
+
+    def set_worker_ports(self, ports: Sequence[int]) -> None:
+        """Where each worker's transfer agent listens (index: global rank).
+
+        For engines whose workers pick their own ports (``base_port`` 0): the
+        ports are announced to readers in every grant's ``kv_transfer_params``.
+
+        Raises:
+            ConfigError: not one port in 1..65535 per worker.
+        """
+        ports = list(ports)
+        if (len(ports) != self.topology.world_size
+                or not all(isinstance(p, int) and 1 <= p <= 65535 for p in ports)):
+            raise ConfigError(f"need one port in 1..65535 for each of "
+                              f"{self.topology.world_size} workers, got {ports}")
+        self._ports = ports
 
     # ---------------------------------------------------------------- D: loading
     def get_num_new_matched_tokens(
@@ -265,7 +290,7 @@ class ConnectorScheduler:
         return end - start, True
 
     def update_state_after_alloc(
-        self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: ConnectorRequest, blocks: BlockIds, num_external_tokens: int
     ) -> None:
         """Record where the request's remote tokens land.
 
@@ -306,7 +331,8 @@ class ConnectorScheduler:
             request_id=request_id, local_block_ids=block_groups[0][:num_needed],
             first_token=load.first_token, num_tokens=num_external_tokens,
             remote_engine_id=p.remote_engine_id, remote_host=p.remote_host,
-            remote_port=p.remote_port, remote_tp_size=p.remote_tp_size,
+            remote_port=p.remote_port, remote_ports=list(p.remote_ports),
+            remote_tp_size=p.remote_tp_size,
             remote_pp_size=p.remote_pp_size, remote_block_size=p.remote_block_size,
             remote_block_ids=list(p.remote_block_ids), grant=p.grant,
             kv_digest=load.kv_digest,
@@ -481,6 +507,10 @@ class ConnectorScheduler:
         num_tokens = min(request.num_prompt_tokens, len(block_ids) * self.block_size)
         if num_tokens < 2:  # D recomputes the last prompt token anyway: nothing to read
             return False, None
+        if not (self.base_port or self._ports):
+            logger.warning("request %r: the workers' ports are not known yet; not serving "
+                           "its KV", request_id)
+            return False, None
         held = block_ids[: math.ceil(num_tokens / self.block_size)]
         try:
             # binds the grant to these tokens in these blocks (binding.py): D sends
@@ -498,7 +528,8 @@ class ConnectorScheduler:
         topo = self.topology
         return True, KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
-            remote_port=self.base_port, remote_block_ids=held, remote_tp_size=topo.tp_size,
+            remote_port=self._ports[0] if self._ports else self.base_port,
+            remote_ports=list(self._ports), remote_block_ids=held, remote_tp_size=topo.tp_size,
             remote_pp_size=topo.pp_size, remote_block_size=self.block_size,
             remote_num_tokens=num_tokens, grant=grant, expires_at=self._clock() + self.lease_s,
         )
@@ -524,6 +555,17 @@ class ConnectorScheduler:
         return bool(self._to_send or self._to_release or self._to_notify
                     or self._loads or self._held)
 
+    def load_state(self, request_id: str) -> Literal["planned", "allocated", "dispatched"] | None:
+        """Where a request's load stands: planned (asked, no blocks yet), allocated
+        (blocks recorded, workers not told yet), dispatched (workers reading), or None.
+        """
+        if request_id in self._planned:
+            return "planned"
+        load = self._loads.get(request_id)
+        if load is None:
+            return None
+        return "dispatched" if load.dispatched else "allocated"
+
     @property
     def num_held_blocks(self) -> int:
         """Blocks held for remote readers right now."""
@@ -547,7 +589,7 @@ class ConnectorScheduler:
         self._to_notify.append(NotifyRequest(
             request_id=request_id, remote_engine_id=params.remote_engine_id,
             remote_host=params.remote_host, remote_port=params.remote_port,
-            grant=params.grant, ok=ok,
+            remote_ports=list(params.remote_ports), grant=params.grant, ok=ok,
         ))
 
     def _record_transfer_stats(self, output: KVConnectorOutput) -> None:

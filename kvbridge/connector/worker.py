@@ -127,7 +127,9 @@ class ConnectorWorker:
         Args:
             caches: one tensor per layer this worker holds, each laid out in
                 memory as ``topology.layout`` says (a contiguous tensor, or a
-                transposed view of one, e.g. logical NHD over HND memory).
+                transposed view of one, e.g. logical NHD over HND memory). With
+                ``topology.fused_kv`` (vLLM's CPU cache): contiguous
+                ``[num_blocks, num_heads, block_size, 2 * head_size]`` tensors.
 
         Raises:
             ConfigError: a cache does not match the topology, or called twice.
@@ -162,8 +164,15 @@ class ConnectorWorker:
         )
 
     def _checked(self, index: int, cache: torch.Tensor) -> torch.Tensor:
-        """``cache`` as a contiguous tensor in the topology's layout, or ConfigError."""
+        """``cache`` as a contiguous tensor in the topology's layout, or ConfigError.
+
+        A fused K/V cache comes back as its single-plane view ``cache[None]``
+        (``[1, num_blocks, num_heads, block_size, row]``), the form the kernels
+        and the transfer agent take.
+        """
         topo = self.topology
+        if topo.fused_kv:
+            return self._checked_fused(index, cache)
         views = [(topo.layout, cache)]
         if not topo.is_mla:  # a transposed view over memory in the topology's layout
             other = KVLayout.HND if topo.layout is KVLayout.NHD else KVLayout.NHD
@@ -186,6 +195,21 @@ class ConnectorWorker:
             f"{topo.layout} cache of block size {topo.block_size}: {'; '.join(problems)}"
         )
 
+    def _checked_fused(self, index: int, cache: torch.Tensor) -> torch.Tensor:
+        """A fused K/V cache as ``[1, num_blocks, num_heads, block_size, row]``, or ConfigError."""
+        topo = self.topology
+        view = cache.unsqueeze(0) if cache.dim() == 4 else cache
+        fits = (view.dim() == 5 and view.shape[0] == 1 and view.is_contiguous()
+                and view.shape[2] == topo.num_heads_per_rank and view.shape[3] == topo.block_size
+                and view.shape[4] % 2 == 0)
+        if not fits:
+            raise ConfigError(
+                f"layer {index} cache {tuple(cache.shape)} strides {cache.stride()} is not a "
+                f"contiguous fused K/V cache [num_blocks, {topo.num_heads_per_rank} heads, "
+                f"block size {topo.block_size}, 2 * head_size] (vLLM CPU)"
+            )
+        return view
+
     # ---------------------------------------------------------------- every step
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         """Start this step's reads, notices and revocations; returns without waiting.
@@ -200,7 +224,7 @@ class ConnectorWorker:
         for notice in metadata.reqs_to_notify:
             agent.notify_done(
                 notice.request_id, engine_id=notice.remote_engine_id, host=notice.remote_host,
-                port=notice.remote_port, grant=notice.grant, ok=notice.ok,
+                port=notice.ports, grant=notice.grant, ok=notice.ok,
             )
         for recv in metadata.reqs_to_recv:
             self._start_read(agent, recv)
@@ -214,7 +238,7 @@ class ConnectorWorker:
         try:
             agent.start_read(
                 recv.request_id, engine_id=recv.remote_engine_id, host=recv.remote_host,
-                port=recv.remote_port, remote_block_ids=recv.remote_block_ids,
+                port=recv.ports, remote_block_ids=recv.remote_block_ids,
                 local_block_ids=recv.local_block_ids, grant=recv.grant,
                 num_tokens=recv.num_tokens, first_token=recv.first_token,
                 prompt_digest=recv.kv_digest,

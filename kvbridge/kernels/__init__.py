@@ -11,6 +11,9 @@ as one stacked tensor with a leading layer dimension::
     NHD  [2, num_blocks, block_size, num_heads, head_dim]
     HND  [2, num_blocks, num_heads, block_size, head_dim]
     MLA  [num_blocks, block_size, latent_dim]       (heads: use 0..1)
+    fused K/V (vLLM CPU) as cache[None]:
+         [1, num_blocks, num_heads, block_size, 2 * head_size]   (HND; whole blocks of
+                                                   one block size only, see caches.py)
 
 Data is copied as raw elements (fp32, fp16, bf16, fp8, uint8 are all bit-exact).
 CUDA tensors run the Triton kernels, CPU tensors a single-pass torch path;

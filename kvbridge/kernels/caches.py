@@ -7,6 +7,16 @@ stacked tensor, NHD, HND or MLA, any element dtype) into a :class:`CacheSet`: on
 for HND, and a "word" is the widest integer (up to 8 bytes) that divides a head
 row. Copying words is bit-exact for every dtype and moves fewer, larger elements.
 MLA caches become ``[1, num_blocks, block_size, 1, row_words]`` with layout NHD.
+
+Fused K/V caches (vLLM CPU: ``[num_blocks, num_heads, block_size, 2 * head_size]``
+per layer, K transposed inside each block) are passed as single-plane views
+``cache[None]`` = ``[1, num_blocks, num_heads, block_size, row]``: a 5-D cache
+whose K/V dimension is 1. They are HND, and their "head row" is the whole
+``2 * head_size`` row, so they move exactly only as whole blocks (see
+``checks.check_fused``)::
+
+    one block, one head:  | K^T: head_size x block_size | V: block_size x head_size |
+    as rows:              | row 0 | row 1 | ...  | row block_size-1 |   (2*head_size each)
 """
 
 from __future__ import annotations
@@ -62,6 +72,11 @@ class CacheSet:
         return len(self.layers)
 
     @property
+    def fused_kv(self) -> bool:
+        """One plane of fused K/V rows per layer (a ``[1, N, H, B, row]`` view)."""
+        return not self.is_mla and self.num_kv == 1
+
+    @property
     def num_kv(self) -> int:
         return self.layers[0].shape[0]
 
@@ -109,20 +124,26 @@ class CacheSet:
         return self.layers[0].device
 
 
-def split_layers(layer_caches: LayerCaches, layout: KVLayout, what: str) -> CacheSet:
+def split_layers(
+    layer_caches: LayerCaches, layout: KVLayout | str | None, what: str
+) -> CacheSet:
     """Validate ``layer_caches`` and view each layer as 5-D raw elements.
 
     Args:
         layer_caches: per-layer tensors, or one tensor with a leading layer dimension.
-        layout: layout of the non-MLA tensors.
+            A 5-D tensor whose K/V dimension is 1 is a fused K/V cache's
+            single-plane view (see the module docstring).
+        layout: layout of the non-MLA tensors (HND for fused ones); None when it
+            does not matter (whole-block copies).
         what: name used in error messages (``"caches"``, ``"src caches"``...).
 
     Raises:
         KernelInputError: empty list, mixed shapes/dtypes/devices, wrong rank,
-            ``K/V`` dimension not 2, or a head row that is not contiguous.
+            ``K/V`` dimension not 1 or 2, a fused cache said to be NHD, or a head
+            row that is not contiguous.
     """
     try:
-        layout = KVLayout.parse(layout)
+        layout = None if layout is None else KVLayout.parse(layout)
     except ValueError as exc:
         raise KernelInputError(str(exc)) from None
     if isinstance(layer_caches, torch.Tensor):
@@ -145,11 +166,20 @@ def split_layers(layer_caches: LayerCaches, layout: KVLayout, what: str) -> Cach
             )
     if first.dim() not in (3, 5):
         raise KernelInputError(
-            f"{what}: layer tensors must be 5-D (NHD/HND) or 3-D (MLA), got shape "
-            f"{tuple(first.shape)}"
+            f"{what}: layer tensors must be 5-D (NHD/HND, or [1, ...] for a fused K/V "
+            f"cache: pass cache[None]) or 3-D (MLA), got shape {tuple(first.shape)}"
         )
-    if first.dim() == 5 and first.shape[0] != 2:
-        raise KernelInputError(f"{what}: dim 0 of a K/V cache must be 2, got {first.shape[0]}")
+    if first.dim() == 5 and first.shape[0] not in (1, 2):
+        raise KernelInputError(
+            f"{what}: dim 0 of a K/V cache must be 2, got {first.shape[0]} (1: a fused "
+            f"K/V cache's single-plane view)"
+        )
+    fused_kv = first.dim() == 5 and first.shape[0] == 1
+    if fused_kv and layout is KVLayout.NHD:
+        raise KernelInputError(
+            f"{what}: a fused K/V cache {tuple(first.shape)} keeps heads outer (HND), "
+            f"not NHD"
+        )
     if first.dtype.is_complex or first.element_size() not in _INT_DTYPES:
         raise KernelInputError(f"{what}: unsupported dtype {first.dtype}")
     is_mla = first.dim() == 3
@@ -162,12 +192,13 @@ def split_layers(layer_caches: LayerCaches, layout: KVLayout, what: str) -> Cach
             )
         raw = t.view(int_dtype(t.element_size()))
         views.append(raw[None, :, :, None, :] if is_mla else raw)
-    return CacheSet(
-        layers=tuple(views),
-        layout=KVLayout.NHD if is_mla else layout,
-        is_mla=is_mla,
-        dtype=first.dtype,
-    )
+    if is_mla:
+        layout = KVLayout.NHD
+    elif fused_kv:
+        layout = KVLayout.HND
+    elif layout is None:  # whole-block copies: either order will do
+        layout = KVLayout.NHD
+    return CacheSet(layers=tuple(views), layout=layout, is_mla=is_mla, dtype=first.dtype)
 
 
 def widen(caches: CacheSet, flat: Sequence[torch.Tensor]) -> tuple[CacheSet, list[torch.Tensor]]:

@@ -34,6 +34,7 @@ def check_wire(wire: WireFormat, caches: CacheSet, head_offset: int) -> None:
         (name, theirs, ours)
         for name, theirs, ours in (
             ("is_mla", wire.is_mla, caches.is_mla),
+            ("fused_kv", wire.fused_kv, caches.fused_kv),
             ("num_layers", wire.num_layers, caches.num_layers),
             ("head_dim", wire.head_dim, caches.head_dim),
             ("elem_nbytes", wire.elem_nbytes, caches.elem_nbytes),
@@ -55,6 +56,35 @@ def check_wire(wire: WireFormat, caches: CacheSet, head_offset: int) -> None:
         raise KernelInputError(
             f"{wire.num_heads} remote heads at head_offset {head_offset} do not fit in "
             f"{caches.num_heads} local heads"
+        )
+
+
+def check_fused(
+    wire: WireFormat, caches: CacheSet, num_tokens: int, token_offset: int, src_token_offset: int
+) -> None:
+    """Raise unless an unpack into fused K/V caches moves whole blocks as they are.
+
+    A fused block keeps K transposed (``[head_size, block_size]``), so its rows
+    are not tokens: only whole blocks of one block size can be moved exactly
+    (layouts are both HND, the only one a fused cache has). Block-size
+    conversion and partial blocks are refused, never run. A no-op for other caches.
+    """
+    if not caches.fused_kv:
+        return
+    block_size = caches.block_size
+    if wire.block_size != block_size:
+        raise KernelInputError(
+            f"fused K/V caches (K transposed in each block) are not re-blocked: remote block "
+            f"size {wire.block_size}, local {block_size}"
+        )
+    partial = {name: value for name, value in (
+        ("num_tokens", num_tokens), ("token_offset", token_offset),
+        ("src_token_offset", src_token_offset)) if value % block_size}
+    if partial:
+        text = ", ".join(f"{name} {value}" for name, value in partial.items())
+        raise KernelInputError(
+            f"fused K/V caches (K transposed in each block) move only whole blocks of "
+            f"{block_size} tokens: {text}"
         )
 
 

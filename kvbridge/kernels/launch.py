@@ -117,6 +117,11 @@ def unpack(
 
     heads ``[head_offset, head_offset + wire.num_heads)`` of the local block.
 
+    Fused K/V caches (single-plane views, :mod:`kvbridge.kernels.caches`) take
+    only buffers packed from fused caches of their block size, and only whole
+    blocks (``num_tokens``, ``token_offset`` and ``src_token_offset`` multiples
+    of it): their rows are not tokens, so anything else would land wrong.
+
     Args:
         buf: the packed bytes (``uint8`` or the cache dtype), contiguous, same device.
         wire: how the sender laid out ``buf``.
@@ -133,7 +138,8 @@ def unpack(
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
-        KernelInputError: mismatched wire/caches, bad ranges, ids or buffer.
+        KernelInputError: mismatched wire/caches, bad ranges, ids or buffer, or a
+            conversion or partial block asked of fused K/V caches.
     """
     caches = split_layers(layer_caches, local_layout, "caches")
     checks.check_wire(wire, caches, head_offset)
@@ -156,6 +162,7 @@ def unpack(
         )
     if token_offset < 0:
         raise KernelInputError(f"token_offset must be >= 0, got {token_offset}")
+    checks.check_fused(wire, caches, num_tokens, token_offset, src_token_offset)
     ids = checks.as_block_ids(local_block_ids, caches.num_blocks, caches.device, "local_block_ids")
     first_block = token_offset // caches.block_size
     end_block = -(-(token_offset + num_tokens) // caches.block_size)
@@ -206,8 +213,8 @@ def copy_blocks(
     Raises:
         KernelInputError: shape/dtype mismatch, bad ids, repeated destinations.
     """
-    src = split_layers(src_layer_caches, KVLayout.NHD, "src caches")
-    dst = split_layers(dst_layer_caches, KVLayout.NHD, "dst caches")
+    src = split_layers(src_layer_caches, None, "src caches")
+    dst = split_layers(dst_layer_caches, None, "dst caches")
     if src.layers[0].shape != dst.layers[0].shape or src.num_layers != dst.num_layers:
         raise KernelInputError(
             f"src caches {src.num_layers} x {tuple(src.layers[0].shape)} and dst caches "
@@ -253,4 +260,5 @@ def _wire_of(caches: CacheSet, num_heads: int) -> WireFormat:
         elem_nbytes=caches.elem_nbytes,
         num_layers=caches.num_layers,
         is_mla=caches.is_mla,
+        fused_kv=caches.fused_kv,
     )

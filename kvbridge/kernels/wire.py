@@ -11,6 +11,8 @@ The sender's :func:`kvbridge.kernels.pack` writes, and the receiver's
     payload, NHD:  [block_size][num_heads][head_dim]
     payload, HND:  [num_heads][block_size][head_dim]
     payload, MLA:  [block_size][latent_dim]  (num_heads == 1, head_dim == latent_dim)
+    fused K/V:     [num_heads][block_size][2 * head_size]  (num_kv == 1, HND, head_dim ==
+                   2 * head_size: each head's K^T | V run of a vLLM CPU block, as it is)
 
 Pack therefore does no relayout (it is a pure gather); the receiver fixes layout,
 block size and head offset in its single unpack pass. The transfer agent sends a
@@ -48,6 +50,9 @@ class WireFormat:
         elem_nbytes: bytes per element (2 for bf16/fp16, 1 for fp8/uint8, 4 for fp32).
         num_layers: layers in the buffer.
         is_mla: one latent per token instead of K and V.
+        fused_kv: one plane of fused K/V rows per layer (vLLM CPU caches; HND,
+            ``head_dim`` is the ``2 * head_size`` row). Such buffers land only in
+            caches with the same block size, whole blocks at a time.
     """
 
     layout: KVLayout
@@ -57,6 +62,7 @@ class WireFormat:
     elem_nbytes: int
     num_layers: int
     is_mla: bool = False
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_heads", "head_dim", "num_layers"):
@@ -70,11 +76,16 @@ class WireFormat:
         if self.is_mla and self.num_heads != 1:
             raise KernelInputError(f"an MLA wire format has num_heads 1, got {self.num_heads}")
         object.__setattr__(self, "layout", KVLayout.parse(self.layout))
+        if self.fused_kv and (self.is_mla or self.layout is not KVLayout.HND):
+            raise KernelInputError(
+                f"a fused K/V wire format is HND and not MLA, got {self.layout}, "
+                f"is_mla {self.is_mla}"
+            )
 
     @property
     def num_kv(self) -> int:
-        """Tensors per layer on the wire: 2 (K and V), or 1 for MLA."""
-        return 1 if self.is_mla else 2
+        """Tensors per layer on the wire: 2 (K and V), or 1 for MLA and fused K/V."""
+        return 1 if self.is_mla or self.fused_kv else 2
 
     @property
     def payload_numel(self) -> int:

@@ -210,13 +210,15 @@ class RequestHashExtras:
     """Per-request inputs that change block hashes besides the tokens.
 
     Attributes:
-        lora_id: LoRA adapter id, part of every block's extra keys.
+        lora_name: LoRA adapter name, part of every block's extra keys. The name,
+            not an integer id: two instances may number the same adapter
+            differently, and P and D must agree on every hash (vLLM keys it so too).
         cache_salt: Isolates a tenant's cache; part of the first block only
             (the chain carries it to every later block).
         mm_features: Multimodal spans, sorted by offset, not overlapping.
     """
 
-    lora_id: int | None = None
+    lora_name: str | None = None
     cache_salt: str | None = None
     mm_features: tuple[MultiModalSpan, ...] = ()
 
@@ -236,7 +238,7 @@ def block_extra_keys(
 ) -> tuple[object, ...] | None:
     """Return the extra hash keys of the block covering tokens [block_start, block_end).
 
-    Order: LoRA id, then ``(mm_hash, offset)`` per overlapping multimodal span,
+    Order: LoRA name, then ``(mm_hash, offset)`` per overlapping multimodal span,
     then the cache salt (first block only). ``offset`` is the span's start
     relative to the block and is negative when the span began in an earlier
     block::
@@ -256,8 +258,8 @@ def block_extra_keys(
     if extras is None:
         return None
     keys: list[object] = []
-    if extras.lora_id is not None:
-        keys.append(extras.lora_id)
+    if extras.lora_name is not None:
+        keys.append(extras.lora_name)
     for span in extras.mm_features:
         if span.offset >= block_end:
             break  # sorted: no later span overlaps either

@@ -28,7 +28,7 @@ class Request:
         prompt_token_ids: The prompt, at least one token.
         hasher: Computes block hashes; ``None`` means the request never uses
             the prefix cache (no hashes are kept).
-        hash_extras: LoRA id, cache salt and multimodal spans that enter the
+        hash_extras: LoRA name, cache salt and multimodal spans that enter the
             block hashes.
         skip_prefix_cache: Never read from the prefix cache (e.g. the caller
             wants prompt logprobs, which need every prompt token computed).

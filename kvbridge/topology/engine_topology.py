@@ -2,7 +2,8 @@
 
 An :class:`EngineTopology` is the static description of one engine (the local
 one, or a peer learned in the handshake): TP and PP sizes, block size, the
-model-wide KV head and layer counts, MLA or not, and the cache layout.
+model-wide KV head and layer counts, MLA or not, the cache layout, and whether
+K and V share one plane per head (``fused_kv``, vLLM's CPU cache).
 
 The two split rules live here so that P and D, which both call them, always
 agree on who holds what:
@@ -114,11 +115,20 @@ class EngineTopology:
         is_mla: Whether the cache holds an MLA latent instead of K and V.
         layout: Token/head order inside a block (a ``str`` is parsed).
         num_layers: Model-wide number of attention layers.
+        fused_kv: The cache is one plane per layer holding K and V of each head
+            together, ``[num_blocks, num_heads, block_size, 2 * head_dim]`` as
+            vLLM's CPU attention backend keeps it: per block and head, K
+            *transposed* (``[head_dim, block_size]``) then V (``[block_size,
+            head_dim]``), one run of ``2 * block_size * head_dim`` elements,
+            heads outer (HND). Heads split over TP ranks as usual, but K is not
+            token-major, so such blocks move only whole, never re-blocked or
+            relaid out.
 
     Raises:
         ConfigError: a size is not positive, ``tp_size`` and ``num_kv_heads``
-            do not divide one another, ``pp_size > num_layers``, or an MLA
-            engine declares more than one KV head.
+            do not divide one another, ``pp_size > num_layers``, an MLA
+            engine declares more than one KV head, or ``fused_kv`` with MLA or
+            with a layout other than HND.
     """
 
     tp_size: int
@@ -128,6 +138,7 @@ class EngineTopology:
     is_mla: bool
     layout: KVLayout
     num_layers: int
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", KVLayout.parse(self.layout))
@@ -137,6 +148,11 @@ class EngineTopology:
             raise ConfigError(
                 f"an MLA cache holds one latent per token: num_kv_heads must be 1, "
                 f"got {self.num_kv_heads}"
+            )
+        if self.fused_kv and (self.is_mla or self.layout is not KVLayout.HND):
+            raise ConfigError(
+                f"a fused K/V cache (vLLM CPU) keeps heads outer in each block: it needs "
+                f"layout HND and no MLA, got layout {self.layout}, is_mla {self.is_mla}"
             )
         big, small = max(self.tp_size, self.num_kv_heads), min(self.tp_size, self.num_kv_heads)
         if big % small:

@@ -114,7 +114,10 @@ def check_compatible(local: EngineTopology, remote: EngineTopology) -> None:
     """Check that two engines serve the same model shape with mappable sizes.
 
     Layout may differ (the unpack kernels convert it); everything else must
-    either match (head and layer counts, MLA) or divide (TP, PP, block size).
+    either match (head and layer counts, MLA, fused K/V) or divide (TP, PP,
+    block size). Fused K/V caches (vLLM CPU, K transposed in each block) are
+    never converted: their block sizes must be equal too (their layouts are,
+    since ``EngineTopology`` admits them only as HND).
 
     Raises:
         IncompatibleTopologyError: the first mismatch found, with both numbers.
@@ -125,6 +128,18 @@ def check_compatible(local: EngineTopology, remote: EngineTopology) -> None:
             raise IncompatibleTopologyError(
                 f"{name} differs: local {local_value}, remote {remote_value}"
             )
+    if local.fused_kv != remote.fused_kv:
+        raise IncompatibleTopologyError(
+            f"fused_kv differs: local {local.fused_kv}, remote {remote.fused_kv}; a vLLM CPU "
+            f"cache (K and V fused per head, K transposed) pairs only with another: run P "
+            f"and D on the same attention backend"
+        )
+    if local.fused_kv and local.block_size != remote.block_size:
+        raise IncompatibleTopologyError(
+            f"vLLM CPU caches (K transposed in each block) move only between equal block "
+            f"sizes: local {local.block_size}, remote {remote.block_size}; start P and D with "
+            f"the same --block-size"
+        )
     signed_ratio("tensor parallel size", local.tp_size, remote.tp_size)
     signed_ratio("pipeline parallel size", local.pp_size, remote.pp_size)
     signed_ratio("block size", local.block_size, remote.block_size)

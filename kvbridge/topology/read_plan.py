@@ -75,6 +75,8 @@ class RemoteRead:
         remote_block_size: Tokens per remote block.
         remote_layout: Token/head order inside a remote block.
         is_mla: The block holds one MLA latent per token (``head_dim`` = latent dim).
+        fused_kv: The block is one plane holding K and V of each head as one run
+            (vLLM CPU; ``head_dim`` = the ``2 * head_size`` row, layout HND).
     """
 
     remote_rank: int
@@ -91,6 +93,7 @@ class RemoteRead:
     remote_block_size: int
     remote_layout: KVLayout
     is_mla: bool
+    fused_kv: bool = False
 
     @property
     def remote(self) -> RemoteRank:
@@ -99,8 +102,8 @@ class RemoteRead:
 
     @property
     def num_planes(self) -> int:
-        """Per-layer block planes: 2 (K and V) or 1 (MLA latent)."""
-        return 1 if self.is_mla else 2
+        """Per-layer block planes: 2 (K and V), or 1 (MLA latent, or fused K/V)."""
+        return 1 if self.is_mla or self.fused_kv else 2
 
     def block_byte_ranges(self, elem_size: int, head_dim: int) -> list[tuple[int, int]]:
         """Byte ranges to read from one plane (K or V) of one remote block of one layer.
@@ -114,9 +117,13 @@ class RemoteRead:
             NHD [tokens][heads][dim]   |t0: h0 h1 h2 h3|t1: h0 h1 h2 h3|...
                                             ^^^^^           ^^^^^      -> block_size ranges
 
+        A fused K/V block (one plane) is HND with rows of ``2 * head_size``: each
+        head's ``[K^T | V]`` is one run, so a head slice is one range as above.
+
         Args:
             elem_size: Bytes per element of the cache dtype.
-            head_dim: Elements per head per token (the latent dim for MLA).
+            head_dim: Elements per head per token (the latent dim for MLA, the
+                ``2 * head_size`` row for fused K/V).
 
         Returns:
             Sorted, disjoint ``(offset, nbytes)`` pairs; ``[]`` for a notify-only item.
@@ -242,6 +249,7 @@ def build_read_plan(
                 remote_block_size=remote.block_size,
                 remote_layout=remote.layout,
                 is_mla=remote.is_mla,
+                fused_kv=remote.fused_kv,
             )
         )
     return ReadPlan(

@@ -7,7 +7,9 @@ the public methods below are thread-safe and never block on the network
 (``start``/``close`` wait for the loop thread, with a deadline).
 
 Addresses: the agent of global rank ``g`` of an engine listens on
-``base_port + g``; ``start_read`` is given the remote engine's ``base_port``.
+``base_port + g``; ``start_read`` is given the remote engine's ``base_port``, or,
+for an engine whose agents took any free port (``port=0``), the list of its
+ranks' ports (``port=[p0, p1, ...]``, index = global rank).
 
 Example (P rank 0 serving, D rank 0 reading)::
 
@@ -120,7 +122,8 @@ class TransferAgent:
             that sleeps between steps (``kvbridge.engine.wakeup``).
 
     Raises:
-        ConfigError: the ranks are out of range for ``topology``.
+        ConfigError: the ranks are out of range for ``topology``, or ``compat`` and
+            ``topology`` disagree on ``fused_kv``.
     """
 
     def __init__(
@@ -139,6 +142,11 @@ class TransferAgent:
     ) -> None:
         if not engine_id:
             raise ConfigError("engine_id must be a non-empty string")
+        if compat.fused_kv != topology.fused_kv:
+            raise ConfigError(
+                f"CompatInfo.fused_kv {compat.fused_kv} != EngineTopology.fused_kv "
+                f"{topology.fused_kv}: describe one cache"
+            )
         self.engine_id = engine_id
         self.topology = topology
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
@@ -366,7 +374,7 @@ class TransferAgent:
         *,
         engine_id: str,
         host: str,
-        port: int,
+        port: int | Sequence[int],
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         grant: str,
@@ -391,8 +399,11 @@ class TransferAgent:
         Args:
             request_id: key of the outcome; unique among reads in flight.
             engine_id: the serving engine.
-            host: its host; its rank ``g`` listens on ``port + g``.
-            port: its base port.
+            host: its host.
+            port: its base port (rank ``g`` listens on ``port + g``), or the port of
+                each of its global ranks (index = rank). A read that needs a rank
+                the list lacks fails (``MissingPortError`` in its stats) and its
+                blocks are reported failed.
             remote_block_ids: its blocks for the request, in token order.
             local_block_ids: our blocks, in token order.
             grant: the grant token the serving engine issued for the request.
@@ -403,11 +414,13 @@ class TransferAgent:
                 refuses the read and its blocks are reported failed.
 
         Raises:
-            ConfigError: bad arguments (nothing started), or the agent is not running.
+            ConfigError: bad arguments (nothing started; an empty port list or one
+                with a number that is no port among them), or the agent is not running.
         """
         running = self._running
         if running is None or self._closed:
             raise ConfigError("start_read on a TransferAgent that is not running")
+        ports = _ports(request_id, port)
         block_size = self.topology.block_size
         end_token = first_token + num_tokens
         local_needed = math.ceil(end_token / block_size) if num_tokens > 0 else 0
@@ -421,7 +434,7 @@ class TransferAgent:
                 f"1..64 bytes"
             )
         job = ReadJob(
-            request_id, engine_id, host, port, tuple(remote_block_ids),
+            request_id, engine_id, host, ports, tuple(remote_block_ids),
             tuple(local_block_ids[:local_needed]), grant, num_tokens, time.monotonic(),
             first_token=first_token, prompt_digest=prompt_digest or b"",
         )
@@ -433,7 +446,7 @@ class TransferAgent:
         *,
         engine_id: str,
         host: str,
-        port: int,
+        port: int | Sequence[int],
         grant: str,
         ok: bool = True,
     ) -> None:
@@ -448,20 +461,20 @@ class TransferAgent:
         Args:
             request_id: for logs.
             engine_id: the serving engine.
-            host: its host; its rank ``g`` listens on ``port + g``.
-            port: its base port.
+            host: its host.
+            port: its base port, or its ranks' ports (as for ``start_read``).
             grant: the grant token it issued for the request.
             ok: True for "not needed", False for "gave up".
 
         Raises:
-            ConfigError: the agent is not running.
+            ConfigError: the agent is not running, or a bad port list (as ``start_read``).
         """
         running = self._running
         if running is None or self._closed:
             raise ConfigError("notify_done on a TransferAgent that is not running")
         job = ReadJob(
-            request_id, engine_id, host, port, (), (), grant, 0, time.monotonic(),
-            notify_only=True, ok=ok,
+            request_id, engine_id, host, _ports(request_id, port), (), (), grant, 0,
+            time.monotonic(), notify_only=True, ok=ok,
         )
         running.loop.call_soon_threadsafe(running.reads.submit, job)
 
@@ -503,3 +516,22 @@ class TransferAgent:
         """Return and forget per-read statistics of reads that ended."""
         running = self._running
         return running.reads.take_stats() if running is not None else []
+
+
+def _ports(request_id: str, port: int | Sequence[int]) -> int | tuple[int, ...]:
+    """``port`` as ``ReadJob`` keeps it: the base port, or a checked per-rank tuple.
+
+    Raises:
+        ConfigError: an empty list, or an entry that is not an int in [1, 65535].
+    """
+    if isinstance(port, int):  # a base port, as every caller passed before lists
+        return port
+    ports = tuple(port)
+    bad = [p for p in ports if isinstance(p, bool) or not isinstance(p, int)
+           or not 1 <= p <= 65535]
+    if not ports or bad:
+        raise ConfigError(
+            f"read {request_id!r}: the per-rank port list must be non-empty ints in "
+            f"[1, 65535], got {len(ports)} ports, bad ones: {bad[:8]}"
+        )
+    return ports

@@ -124,7 +124,12 @@ class LocalKV:
         layer_caches: one tensor per layer this rank holds, all the same shape:
             NHD ``[2, num_blocks, block_size, num_heads, head_dim]``, HND
             ``[2, num_blocks, num_heads, block_size, head_dim]``, MLA
-            ``[num_blocks, block_size, latent_dim]``; contiguous, CPU.
+            ``[num_blocks, block_size, latent_dim]``, fused K/V (``topology.fused_kv``,
+            vLLM CPU) ``[num_blocks, num_heads, block_size, 2 * head_size]`` or its
+            single-plane view ``[1, num_blocks, ...]``; contiguous, CPU.
+
+    Fused caches are kept as single-plane views (``layers``), the form the
+    kernels take; ``head_dim`` is then the whole ``2 * head_size`` row.
 
     Raises:
         ConfigError: a tensor disagrees with the topology or with the others.
@@ -148,6 +153,8 @@ class LocalKV:
                 f"rank (tp {tp_rank}, pp {pp_rank}) holds {num_layers} layers, "
                 f"got {len(self.layers)} cache tensors"
             )
+        if topology.fused_kv:  # [N, H, B, row] -> [1, N, H, B, row]: one K/V plane
+            self.layers = [t.unsqueeze(0) if t.dim() == 4 else t for t in self.layers]
         first = self.layers[0]
         for index, layer in enumerate(self.layers):
             if layer.shape != first.shape or layer.dtype != first.dtype:
@@ -162,8 +169,11 @@ class LocalKV:
             expected_rank, (num_blocks, block_size, head_dim) = 3, tuple(first.shape[-3:])
         else:
             expected_rank = 5
-            if first.dim() != 5 or first.shape[0] != 2:
-                raise ConfigError(f"expected a [2, ...] 5-D K/V cache, got {tuple(first.shape)}")
+            num_kv = 1 if topology.fused_kv else 2
+            if first.dim() != 5 or first.shape[0] != num_kv:
+                want = ("[num_blocks, heads, block_size, 2 * head_size] fused K/V"
+                        if topology.fused_kv else "[2, ...] 5-D K/V")
+                raise ConfigError(f"expected a {want} cache, got {tuple(first.shape)}")
             _, num_blocks, a, b, head_dim = first.shape
             block_size, heads = (a, b) if topology.layout is KVLayout.NHD else (b, a)
             if heads != self.num_heads:
@@ -171,24 +181,26 @@ class LocalKV:
                     f"cache holds {heads} heads, topology says {self.num_heads} per rank"
                 )
         if first.dim() != expected_rank or block_size != topology.block_size:
+            kind = "MLA" if topology.is_mla else "fused" if topology.fused_kv else topology.layout
             raise ConfigError(
                 f"cache shape {tuple(first.shape)} does not match block size "
-                f"{topology.block_size} ({'MLA' if topology.is_mla else topology.layout})"
+                f"{topology.block_size} ({kind})"
             )
         self.num_blocks = int(num_blocks)
         self.head_dim = int(head_dim)
         self.elem_nbytes = first.element_size()
         self.dtype = str(first.dtype).removeprefix("torch.")
-        # One block of one layer: the MLA latent rows, or its K plane plus its V plane.
-        plane_numel = first[0].numel() if topology.is_mla else 2 * first[0, 0].numel()
-        self.block_nbytes = plane_numel * self.elem_nbytes
+        # One block of one layer: the MLA latent rows, or each of its planes (K and
+        # V, or the one fused plane) together.
+        plane_numel = first[0].numel() if topology.is_mla else first[0, 0].numel()
+        self.block_nbytes = plane_numel * self.num_planes * self.elem_nbytes
         # (layers.start, layers.stop) -> (the tensors' addresses, plane_origins)
         self._origins: dict[tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64]]] = {}
 
     @property
     def num_planes(self) -> int:
-        """Planes per block and layer: K and V, or MLA's single latent plane."""
-        return 1 if self.topology.is_mla else 2
+        """Planes per block and layer: K and V, or one (MLA's latent, fused K/V)."""
+        return 1 if self.topology.is_mla or self.topology.fused_kv else 2
 
     def place(self) -> int:
         """A fingerprint (63 bits, never 0) of where the caches are now: it changes if one moves."""
@@ -197,7 +209,8 @@ class LocalKV:
         return (int.from_bytes(digest, "little") >> 1) or 1
 
     def plane_origins(self, layers: slice) -> npt.NDArray[np.uint64]:
-        """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``.
+        """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``
+        (one plane per layer, the tensor's own address, for MLA and fused K/V).
 
         Read from the tensors on every call (a storage can move in place:
         ``share_memory_``, or pickling a tensor to another process, does that);
@@ -218,7 +231,7 @@ class LocalKV:
 
     @property
     def plane_block_nbytes(self) -> int:
-        """Bytes of one block of one K (or V, or MLA latent) plane of one layer."""
+        """Bytes of one block of one K (or V, MLA latent, fused K/V) plane of one layer."""
         return self.block_nbytes // self.num_planes
 
     def metadata(
@@ -246,6 +259,7 @@ class LocalKV:
             is_mla=topo.is_mla,
             proof=proof,
             host=host,
+            fused_kv=topo.fused_kv,
         )
 
 
@@ -259,6 +273,7 @@ def topology_info(topology: EngineTopology) -> wire.TopologyInfo:
         is_mla=topology.is_mla,
         layout=str(topology.layout),
         num_layers=topology.num_layers,
+        fused_kv=topology.fused_kv,
     )
 
 
@@ -277,6 +292,7 @@ def topology_from_info(info: wire.TopologyInfo) -> EngineTopology:
         is_mla=info.is_mla,
         layout=KVLayout.parse(info.layout),
         num_layers=info.num_layers,
+        fused_kv=info.fused_kv,
     )
 
 
@@ -294,4 +310,5 @@ def topology_of(meta: wire.AgentMetadata) -> EngineTopology:
         is_mla=meta.is_mla,
         layout=KVLayout.parse(meta.layout),
         num_layers=meta.num_model_layers,
+        fused_kv=meta.fused_kv,
     )

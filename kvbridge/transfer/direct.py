@@ -6,12 +6,15 @@ V plane of a block, the server can send block memory as it is and the reader
 can receive it straight into its own blocks (``iov.py``). Both ends list the
 ranges in the same order, so the byte streams line up::
 
-    for each layer of the read: for K then V (MLA: the latent rows only):
+    for each layer of the read: for K then V (MLA, fused K/V: the one plane):
         for each block of the chunk: [ plane of that block, heads of the read ]
 
     HND block plane  [ h0 | h1 | h2 | h3 ]  heads h1..h2: one run  -> direct
     NHD block plane  [ t0: h0 h1 h2 h3 | t1: h0 h1 h2 h3 | ... ]
                      all heads: one run -> direct; a subset: strided -> staged
+
+A fused K/V cache (vLLM CPU) has one plane per layer, HND: each head's
+``K^T | V`` is one run, so any head slice reads direct.
 
 Used by ``reader.py`` (decides, builds its receive ranges) and ``server.py``
 (re-checks on its side, builds its send ranges).
@@ -50,6 +53,7 @@ def head_span(local: LocalKV, head_start: int, head_end: int) -> HeadSpan | None
     Args:
         local: the rank's caches.
         head_start, head_end: heads of this rank (MLA: ignored, the latent rows).
+            For fused K/V the rows are ``local.head_dim = 2 * head_size`` long.
     """
     topo = local.topology
     row_nbytes = local.head_dim * local.elem_nbytes
@@ -65,7 +69,7 @@ def head_span(local: LocalKV, head_start: int, head_end: int) -> HeadSpan | None
 
 
 def num_planes(local: LocalKV) -> int:
-    """Planes per block and layer: K and V, or MLA's single latent plane."""
+    """Planes per block and layer: K and V, or one (MLA's latent, fused K/V)."""
     return local.num_planes
 
 

@@ -14,11 +14,13 @@ Hierarchy::
         PeerUnreachableError  no connection could be made
         ProtocolError         malformed, truncated, oversized or unexpected bytes
         RejectedError         the peer refused us with a reason code
+      ConfigError
+        MissingPortError      a read needs a remote rank its per-rank port list lacks
 """
 
 from __future__ import annotations
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 
 
 class TransferError(KVBridgeError):
@@ -51,3 +53,11 @@ class RejectedError(TransferError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"rejected ({reason}): {message}")
         self.reason = reason
+
+
+class MissingPortError(ConfigError):
+    """A read or done notice needs a remote rank beyond the per-rank ports it was given.
+
+    Raised on the agent's loop once the remote engine's plan names the rank (the
+    list's length cannot be checked before); the read fails like any other.
+    """

@@ -49,7 +49,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer import wire
 from kvbridge.transfer.config import topology_of
-from kvbridge.transfer.errors import RejectedError, TransferError
+from kvbridge.transfer.errors import MissingPortError, RejectedError, TransferError
 from kvbridge.transfer.reader import BegunRead, ItemResult, PeerLink, ReaderContext
 from kvbridge.transfer.ucx import UcxWorker
 
@@ -68,12 +68,16 @@ _VERDICTS = frozenset({
 
 @dataclass(frozen=True, slots=True)
 class ReadJob:
-    """One ``start_read`` call (validated by the agent)."""
+    """One ``start_read`` call (validated by the agent).
+
+    ``port``: the serving engine's base port (its rank ``g`` listens on ``port +
+    g``), or the port of each of its global ranks (index = rank).
+    """
 
     request_id: str
     engine_id: str
     host: str
-    base_port: int
+    port: int | tuple[int, ...]
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     grant: str
@@ -83,6 +87,25 @@ class ReadJob:
     prompt_digest: bytes = b""  # security.prompt_digest of the reader's prompt; b"": none
     notify_only: bool = False  # send ReadDone(ok) to every planned rank, read nothing
     ok: bool = True  # the ReadDone flag of a notify-only job
+
+    def port_of(self, rank: int) -> int:
+        """Where remote global rank ``rank`` listens.
+
+        Raises:
+            MissingPortError: a per-rank list without ``rank``.
+        """
+        if isinstance(self.port, int):
+            return self.port + rank
+        if rank >= len(self.port):
+            raise MissingPortError(
+                f"read {self.request_id!r} needs rank {rank} of engine {self.engine_id!r}, "
+                f"but only the ports of ranks [0, {len(self.port)}) were given"
+            )
+        return self.port[rank]
+
+    def has_port(self, rank: int) -> bool:
+        """Whether :meth:`port_of` knows ``rank``."""
+        return isinstance(self.port, int) or rank < len(self.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +207,7 @@ class Reads:
             return None
         item = plan.items[0]
         link = self._links.get((job.engine_id, item.remote_rank))
-        if link is None or not link.alive:
+        if link is None or not link.alive or not job.has_port(item.remote_rank):
             return None
         try:
             begun = link.begin(item, job.grant, job.remote_block_ids, job.local_block_ids,
@@ -194,6 +217,7 @@ class Reads:
         return link, begun
 
     async def _link(self, job: ReadJob, rank: int) -> PeerLink:
+        port = job.port_of(rank)  # a job without the rank's port fails, link cached or not
         key = (job.engine_id, rank)
         link = self._links.get(key)
         if link is not None and link.alive:
@@ -201,9 +225,7 @@ class Reads:
         opening = self._opening.get(key)
         if opening is None:
             opening = asyncio.create_task(
-                PeerLink.open(
-                    self._ctx, self._worker, job.host, job.base_port + rank, job.engine_id, rank
-                )
+                PeerLink.open(self._ctx, self._worker, job.host, port, job.engine_id, rank)
             )
             self._opening[key] = opening
             opening.add_done_callback(lambda _: self._opening.pop(key, None))

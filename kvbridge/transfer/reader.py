@@ -319,8 +319,16 @@ class PeerLink:
             layout=KVLayout.parse(meta.layout), block_size=meta.block_size,
             num_heads=len(item.remote_heads), head_dim=meta.head_dim,
             elem_nbytes=meta.elem_nbytes, num_layers=len(item.remote_layers), is_mla=meta.is_mla,
+            fused_kv=meta.fused_kv,
         )
-        tokens = _TokenWindow(first_token, num_tokens, meta.block_size, ctx.local.topology)
+        fused = ctx.local.topology.fused_kv
+        if fused and first_token % meta.block_size:
+            raise ConfigError(
+                f"a fused K/V cache (K transposed in each block) is read in whole blocks: "
+                f"first token {first_token} is inside a block of {meta.block_size} tokens"
+            )
+        tokens = _TokenWindow(first_token, num_tokens, meta.block_size, ctx.local.topology,
+                              whole_blocks=fused)
         block_ids = list(remote_block_ids[tokens.first_remote_block : tokens.end_remote_block])
         num_blocks = len(block_ids)
         if num_blocks != tokens.end_remote_block - tokens.first_remote_block:
@@ -403,7 +411,8 @@ class PeerLink:
         meta, local = self.meta, self._ctx.local
         topo = local.topology
         alike = (
-            meta.is_mla == topo.is_mla and KVLayout.parse(meta.layout) is topo.layout
+            meta.is_mla == topo.is_mla and meta.fused_kv == topo.fused_kv
+            and KVLayout.parse(meta.layout) is topo.layout
             and meta.block_size == topo.block_size and meta.elem_nbytes == local.elem_nbytes
             and meta.head_dim == local.head_dim and tokens.skip == 0
             and tokens.local_offset == 0
@@ -776,16 +785,21 @@ class _TokenWindow:
 
     Buffer tokens ``[skip, skip + num_tokens)`` are written, to local position
     ``first - first_local_block * local_bs + (u - skip)`` of the local blocks
-    from ``first_local_block`` on.
+    from ``first_local_block`` on. ``whole_blocks`` (fused K/V caches, whose
+    rows are not tokens) writes the last block whole, as a direct read does:
+    its slots past the prompt are unused.
     """
 
     def __init__(
-        self, first_token: int, num_tokens: int, remote_block_size: int, local: EngineTopology
+        self, first_token: int, num_tokens: int, remote_block_size: int, local: EngineTopology,
+        *, whole_blocks: bool = False,
     ) -> None:
         end = first_token + num_tokens
-        self.num_tokens = num_tokens
         self.first_remote_block = first_token // remote_block_size
         self.end_remote_block = -(-end // remote_block_size)
+        if whole_blocks:
+            num_tokens = self.end_remote_block * remote_block_size - first_token
+        self.num_tokens = num_tokens
         self.skip = first_token - self.first_remote_block * remote_block_size
         self.first_local_block = first_token // local.block_size
         self.local_offset = first_token - self.first_local_block * local.block_size

@@ -65,8 +65,9 @@ from kvbridge.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 4  # 2: direct reads, prompt-bound grants; 3: same-host copies;
-# 4: the grant board (copies without asking)
+PROTOCOL_VERSION: int = 5  # 2: direct reads, prompt-bound grants; 3: same-host copies;
+# 4: the grant board (copies without asking); 5: fused K/V caches (fused_kv in TopologyInfo,
+# AgentMetadata and the compat hash)
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning
@@ -229,6 +230,9 @@ class CompatInfo:
         layout: ``KVLayout`` (a string is parsed).
         block_size: tokens per block.
         is_mla: one latent per token instead of separate K and V.
+        fused_kv: K and V fused in one plane per head (vLLM's CPU cache, K
+            transposed in each block; ``EngineTopology.fused_kv``). Hashed: a
+            fused and a non-fused cache never pair.
 
     Raises:
         ConfigError: empty model or dtype, or a count that is not >= 1.
@@ -243,6 +247,7 @@ class CompatInfo:
     layout: KVLayout
     block_size: int
     is_mla: bool
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -256,8 +261,10 @@ class CompatInfo:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"CompatInfo.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.is_mla, bool):
-            raise ConfigError(f"CompatInfo.is_mla must be a bool, got {self.is_mla!r}")
+        for name in ("is_mla", "fused_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"CompatInfo.{name} must be a bool, got {value!r}")
 
 
 def _compared_fields(info: CompatInfo, include_conversion_fields: bool) -> dict[str, object]:

@@ -103,11 +103,13 @@ class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):
     pass
 
 
-class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True):
+class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A reader engine's parallel and cache shape, sent in its ``Hello``.
 
     The server needs it to count the readers it must hear from before it may
     free a request's blocks (``kvbridge.topology.num_expected_readers``).
+    Defaults are left out on the wire, so a server of an older protocol reads
+    a non-fused reader's ``Hello`` far enough to reject it for its version.
     """
 
     tp_size: Positive
@@ -117,6 +119,7 @@ class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True):
     is_mla: bool
     layout: Annotated[str, msgspec.Meta(max_length=8)]
     num_layers: Positive
+    fused_kv: bool = False  # one fused K/V plane per layer (vLLM CPU; EngineTopology)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -173,6 +176,8 @@ class AgentMetadata(_Msg, tag="metadata"):
     is_mla: bool
     proof: Blob | None = None
     host: HostInfo | None = None  # None: no same-host copies from this server
+    # One fused K/V plane per layer (vLLM CPU): head_dim is its 2 * head_size row.
+    fused_kv: bool = False
 
 
 class Reject(_Msg, tag="reject"):

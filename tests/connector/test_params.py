@@ -36,9 +36,24 @@ def test_request_to_p_needs_only_the_flag() -> None:
     parsed = parse_kv_transfer_params({"do_remote_decode": True})
     assert parsed == KVTransferParams(do_remote_decode=True)
     assert parsed.to_json_dict() == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [],
-        "remote_tp_size": 1, "remote_pp_size": 1, "remote_num_tokens": 0,
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_ports": [],
+        "remote_block_ids": [], "remote_tp_size": 1, "remote_pp_size": 1, "remote_num_tokens": 0,
     }
+
+
+def test_vllm_toy_proxy_nulls_count_as_absent() -> None:
+    # vLLM's toy proxy sends these nulls to P, plus keys kvbridge does not know
+    raw = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+           "remote_block_ids": None, "remote_host": None, "remote_port": None,
+           "remote_request_id": "abc"}
+    assert parse_kv_transfer_params(raw) == KVTransferParams(do_remote_decode=True)
+
+
+def test_per_rank_ports_must_match_the_world_size() -> None:
+    ok = parse_kv_transfer_params(full_params(remote_tp_size=2, remote_ports=[5601, 5733]))
+    assert ok is not None and ok.remote_ports == [5601, 5733]
+    assert parse_kv_transfer_params(full_params(remote_tp_size=2, remote_ports=[5601])) is None
+    assert parse_kv_transfer_params(full_params(remote_ports=[0])) is None
 
 
 @pytest.mark.parametrize(

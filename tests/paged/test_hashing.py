@@ -230,15 +230,15 @@ def test_seed_and_hash_fn_change_every_block() -> None:
 # ----------------------------------------------------------------- extras
 
 
-def test_lora_id_enters_every_block() -> None:
+def test_lora_name_enters_every_block() -> None:
     hasher = BlockHasher("sha256", SEED, 4)
     tokens = list(range(12))
     plain = _chain(hasher, tokens)
-    lora = _chain(hasher, tokens, RequestHashExtras(lora_id=3))
-    other = _chain(hasher, tokens, RequestHashExtras(lora_id=4))
+    lora = _chain(hasher, tokens, RequestHashExtras(lora_name="sql"))
+    other = _chain(hasher, tokens, RequestHashExtras(lora_name="chat"))
     assert all(len({x, y, z}) == 3 for x, y, z in zip(plain, lora, other, strict=True))
     for i in range(3):
-        assert block_extra_keys(RequestHashExtras(lora_id=3), 4 * i, 4 * i + 4) == (3,)
+        assert block_extra_keys(RequestHashExtras(lora_name="sql"), 4 * i, 4 * i + 4) == ("sql",)
 
 
 def test_cache_salt_only_in_first_block() -> None:
@@ -268,19 +268,19 @@ def test_mm_span_offsets_relative_to_block() -> None:
     #   aud:                                          13.14
     img = MultiModalSpan("img", offset=2, length=7)
     aud = MultiModalSpan("aud", offset=13, length=2)
-    extras = RequestHashExtras(lora_id=1, cache_salt="s", mm_features=(img, aud))
+    extras = RequestHashExtras(lora_name="a", cache_salt="s", mm_features=(img, aud))
     bs = 4
     for block in range(5):
         start, end = block * bs, block * bs + bs
-        expected: list[object] = [1]
+        expected: list[object] = ["a"]
         for span in (img, aud):
             if span.offset < end and span.offset + span.length > start:
                 expected.append((span.mm_hash, span.offset - start))
         if block == 0:
             expected.append("s")
         assert block_extra_keys(extras, start, end) == tuple(expected)
-    assert block_extra_keys(extras, 4, 8) == (1, ("img", -2))
-    assert block_extra_keys(extras, 16, 20) == (1,)
+    assert block_extra_keys(extras, 4, 8) == ("a", ("img", -2))
+    assert block_extra_keys(extras, 16, 20) == ("a",)
 
 
 def test_mm_hash_and_offset_change_the_hash() -> None:
@@ -314,12 +314,12 @@ def test_mm_spans_must_be_sorted_and_disjoint(spans: tuple[MultiModalSpan, ...])
 @given(
     tokens=st.lists(st.integers(0, 2**31 - 1), max_size=40),
     block_size=st.integers(1, 8),
-    extra_lora=st.none() | st.integers(0, 10),
+    extra_lora=st.none() | st.text(min_size=1, max_size=8),
 )
-def test_prefix_property(tokens: list[int], block_size: int, extra_lora: int | None) -> None:
+def test_prefix_property(tokens: list[int], block_size: int, extra_lora: str | None) -> None:
     # The hashes of a prefix are a prefix of the hashes.
     hasher = BlockHasher("blake2b", SEED, block_size)
-    extras = RequestHashExtras(lora_id=extra_lora)
+    extras = RequestHashExtras(lora_name=extra_lora)
     full = _chain(hasher, tokens, extras)
     cut = len(tokens) // 2
     assert _chain(hasher, tokens[:cut], extras) == full[: cut // block_size]
@@ -333,7 +333,7 @@ _CHILD = textwrap.dedent(
     import sys
     from kvbridge.paged.hashing import BlockHasher, MultiModalSpan, RequestHashExtras
     extras = RequestHashExtras(
-        lora_id=7, cache_salt="salt", mm_features=(MultiModalSpan("img", 3, 6),)
+        lora_name="seven", cache_salt="salt", mm_features=(MultiModalSpan("img", 3, 6),)
     )
     for name in ("sha256", "blake2b"):
         hasher = BlockHasher(name, bytes.fromhex(sys.argv[1]), 4)
@@ -345,7 +345,7 @@ _CHILD = textwrap.dedent(
 
 def test_hashes_identical_in_fresh_processes() -> None:
     extras = RequestHashExtras(
-        lora_id=7, cache_salt="salt", mm_features=(MultiModalSpan("img", 3, 6),)
+        lora_name="seven", cache_salt="salt", mm_features=(MultiModalSpan("img", 3, 6),)
     )
     expected = [
         h.hex()

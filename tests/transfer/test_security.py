@@ -161,6 +161,7 @@ CHANGED: dict[str, Any] = {
     "layout": KVLayout.HND,
     "block_size": 32,
     "is_mla": True,
+    "fused_kv": True,
 }
 
 

@@ -1,0 +1,200 @@
+"""``KVBridgeConnector``: kvbridge as a vLLM KV connector (``KVConnectorBase_V1``).
+
+vLLM builds the class once per role: in its engine-core process as the
+scheduler's connector, and in every worker process as the worker's. The role
+picks which half exists (``scheduler_side.VllmSchedulerSide`` or
+``worker_side.VllmWorkerSide``); this class only forwards vLLM's calls to it.
+
+Use (both P and D; nothing else is needed on one host)::
+
+    python -m vllm.entrypoints.openai.api_server --model M --kv-transfer-config \\
+      '{"kv_connector":"KVBridgeConnector","kv_connector_module_path":"kvbridge.integrations.vllm","kv_role":"kv_both"}'
+
+A request sent to P with ``"kv_transfer_params": {"do_remote_decode": true}``
+comes back with the params D needs (vLLM's ``NixlConnector`` keys plus
+kvbridge's grant); sent to D with those params, D reads the prompt's KV from
+P instead of computing it. ``kv_connector_extra_config``: ``settings.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.facts import engine_facts
+from kvbridge.integrations.vllm.messages import StepMetadata
+from kvbridge.integrations.vllm.scheduler_side import VllmSchedulerSide
+from kvbridge.integrations.vllm.settings import parse_settings
+from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.integrations.vllm.worker_side import VllmWorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVBridgeConnector"]
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """kvbridge's P/D connector for vLLM (see the module docstring).
+
+    Args:
+        vllm_config: the engine's config (``kv_transfer_config`` must be set).
+        role: ``KVConnectorRole.SCHEDULER`` or ``KVConnectorRole.WORKER``.
+        kv_cache_config: vLLM's KV cache config.
+
+    Raises:
+        ConfigError: bad ``kv_connector_extra_config`` or ``kv_role``.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None  # the base class checked
+        settings = parse_settings(transfer_config.kv_connector_extra_config)
+        facts = engine_facts(vllm_config, settings.model_id)
+        self._scheduler: VllmSchedulerSide | None = None
+        self._worker: VllmWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = VllmSchedulerSide(facts, settings)
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            self._worker = VllmWorkerSide(facts, settings, get_tp_group().rank_in_group,
+                                          get_pp_group().rank_in_group)
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker_side().address()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish between steps, before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # P serves its blocks where they are: nothing to save per layer
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        metadata = self._connector_metadata
+        return self._worker_side().get_finished(
+            metadata if isinstance(metadata, StepMetadata) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_invalid_block_ids()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:  # vLLM also asks the scheduler's connector
+            return None
+        stats = self._worker.take_stats()
+        return None if stats is None or stats.is_empty() else KVBridgeStats.of(stats)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(
+            scheduler_output.total_num_scheduled_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._scheduler_side().set_worker_addresses(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._scheduler_side().set_worker_addresses(metadata)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    # ================================================================ class-level
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outside tokens in a block (a head slice is one run): vLLM's LBHNC."""
+        model_config = vllm_config.model_config
+        return None if model_config is None or model_config.use_mla else "LBHNC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
+    # ================================================================ internals
+    def _step_metadata(self) -> StepMetadata:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, StepMetadata):
+            raise ConfigError(f"connector metadata is {type(metadata).__name__}, not kvbridge's")
+        return metadata
+
+    def _worker_side(self) -> VllmWorkerSide:
+        if self._worker is None:
+            raise ConfigError("a worker-side call reached the scheduler's connector")
+        return self._worker
+
+    def _scheduler_side(self) -> VllmSchedulerSide:
+        if self._scheduler is None:
+            raise ConfigError("a scheduler-side call reached a worker's connector")
+        return self._scheduler

@@ -1,0 +1,150 @@
+"""What kvbridge needs to know about a vLLM engine, read from its ``VllmConfig``.
+
+Both connector halves call :func:`engine_facts`; the worker half adds what only
+its cache tensors tell (:func:`cache_topology`). vLLM hands a connector one
+tensor per attention layer, all views of one buffer::
+
+    vLLM's KV cache layout          tensor per layer                    kvbridge topology
+    LBHNC (CPU; "HND" on GPU)       [num_blocks, heads, block_size, C]   HND, fused_kv
+    MLA                             [num_blocks, block_size, latent]     is_mla
+
+where ``C`` holds a head's K and V of one token slot side by side (on CPU,
+K of the whole block is stored transposed: only whole heads of whole blocks
+keep their meaning, so kvbridge moves them as they are and refuses to change
+block size or layout between such caches). This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbridge.connector.scheduler import Role
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology
+from kvbridge.transfer.security import CompatInfo
+
+__all__ = ["EngineFacts", "cache_topology", "engine_facts", "unique_layer_caches"]
+
+_ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """One vLLM engine as kvbridge sees it (same on the scheduler and every worker).
+
+    Attributes:
+        engine_id: ``kv_transfer_config.engine_id`` (vLLM makes one up if unset).
+        role: kvbridge's role for ``kv_role``.
+        tp_size: tensor-parallel size.
+        pp_size: pipeline-parallel size.
+        block_size: tokens per block of vLLM's cache manager.
+        num_kv_heads: KV heads of the whole model (1 for MLA).
+        head_size: elements per head per token of K (the latent for MLA).
+        num_layers: attention layers of the whole model.
+        is_mla: the model keeps one MLA latent per token.
+        model_id: what P and D must share (see ``VllmSettings.model_id``).
+    """
+
+    engine_id: str
+    role: Role
+    tp_size: int
+    pp_size: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    num_layers: int
+    is_mla: bool
+    model_id: str
+
+    def topology(self, *, fused_kv: bool) -> EngineTopology:
+        """The engine's topology (``fused_kv``: caches in vLLM's LBHNC layout)."""
+        return EngineTopology(
+            tp_size=self.tp_size, pp_size=self.pp_size, block_size=self.block_size,
+            num_kv_heads=1 if self.is_mla else self.num_kv_heads, is_mla=self.is_mla,
+            layout=KVLayout.HND, num_layers=self.num_layers, fused_kv=fused_kv,
+        )
+
+
+def engine_facts(vllm_config: Any, model_id: str | None = None) -> EngineFacts:
+    """Read the engine's facts from a ``vllm.config.VllmConfig``.
+
+    Raises:
+        ConfigError: no kv_transfer_config, or a role kvbridge does not know.
+    """
+    kv_config = vllm_config.kv_transfer_config
+    if kv_config is None:
+        raise ConfigError("vLLM config has no kv_transfer_config")
+    role = _ROLES.get(kv_config.kv_role)
+    if role is None:
+        raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {kv_config.kv_role!r}")
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return EngineFacts(
+        engine_id=str(kv_config.engine_id), role=role,
+        tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
+        num_layers=model.get_total_num_hidden_layers(), is_mla=bool(model.use_mla),
+        model_id=model_id or _model_identity(model),
+    )
+
+
+def _model_identity(model: Any) -> str:
+    """The model's name (no directories: P and D may keep it in different places) and shape."""
+    text = model.hf_text_config
+    name = os.path.basename(str(model.model).rstrip("/"))
+    shape = [getattr(text, key, None) for key in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "vocab_size")]
+    architectures = ",".join(getattr(model.hf_config, "architectures", None) or ())
+    return f"{name}@{model.revision or ''}:{architectures}:{shape}"
+
+
+def unique_layer_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's per-layer cache views in order, each storage once.
+
+    Layers that share their KV with another layer appear under both names,
+    pointing at one tensor: it is registered once.
+    """
+    seen: set[int] = set()
+    layers = []
+    for tensor in kv_caches.values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            layers.append(tensor)
+    return layers
+
+
+def cache_topology(
+    facts: EngineFacts, layers: list[torch.Tensor]
+) -> tuple[EngineTopology, CompatInfo]:
+    """The topology and compatibility record of a worker holding ``layers``.
+
+    Raises:
+        ConfigError: no layers, or tensors in a layout kvbridge cannot move
+            (e.g. LBNHC: ask for LBHNC, or unset ``VLLM_KV_CACHE_LAYOUT``).
+    """
+    if not layers:
+        raise ConfigError("vLLM registered no KV cache tensors")
+    first = layers[0]
+    fused = not facts.is_mla
+    expected = 3 if facts.is_mla else 4
+    if first.dim() != expected or not first.is_contiguous():
+        shape = "[blocks, block_size, latent]" if facts.is_mla else "[blocks, heads, tokens, K+V]"
+        raise ConfigError(
+            f"vLLM KV cache {tuple(first.shape)} strides {first.stride()}: kvbridge moves "
+            f"contiguous {shape} caches (vLLM layout LBHNC); unset VLLM_KV_CACHE_LAYOUT or "
+            f"set it to LBHNC"
+        )
+    topology = facts.topology(fused_kv=fused)
+    compat = CompatInfo(
+        model=facts.model_id, dtype=str(first.dtype), num_kv_heads=topology.num_kv_heads,
+        head_dim=facts.head_size, num_layers=facts.num_layers, layout=topology.layout,
+        block_size=facts.block_size, is_mla=facts.is_mla, fused_kv=fused,
+    )
+    return topology, compat

@@ -1,0 +1,167 @@
+"""The connector's scheduler half in vLLM: vLLM's scheduler calls onto ``ConnectorScheduler``.
+
+Lives in vLLM's engine-core process. The calls map one to one (see
+``kvbridge.connector.scheduler`` for what each decides); this module only
+translates vLLM's objects and covers where vLLM's contract differs from
+kvbridge's own engine:
+
+- vLLM recomputes or fails a request whose load failed by itself (its
+  ``kv_load_failure_policy``), from the blocks the workers report; kvbridge's
+  own failure bookkeeping is drained and left unused.
+- A request aborted while waiting for its KV keeps its blocks in vLLM until
+  the workers report it received. If the workers were never told to read it,
+  nothing would ever report it: this side reports it itself, at the next step.
+- P's workers listen on ports of their own choosing (zero config): the
+  scheduler learns them from vLLM's handshake (``set_worker_addresses``) and
+  announces them in every ``kv_transfer_params`` it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.outputs import KVConnectorOutput as VllmConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from kvbridge.connector.outputs import KVConnectorOutput
+from kvbridge.connector.params import KVTransferParams, parse_kv_transfer_params
+from kvbridge.connector.scheduler import BlockIds, ConnectorScheduler
+from kvbridge.connector.stats import ConnectorStats
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.facts import EngineFacts
+from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
+from kvbridge.integrations.vllm.settings import VllmSettings
+from kvbridge.integrations.vllm.stats import KVBridgeStats
+
+__all__ = ["VllmSchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+_FINISHED_OK = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestView:
+    """A vLLM ``Request`` as ``ConnectorRequest`` (its params parsed)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    num_prompt_tokens: int
+    kv_transfer_params: KVTransferParams | None
+    num_computed_tokens: int
+
+    @classmethod
+    def of(cls, request: Request) -> _RequestView:
+        tokens = request.prompt_token_ids
+        # a prompt given as embeddings has no token ids to bind a grant to: no transfer
+        params = parse_kv_transfer_params(request.kv_transfer_params) if tokens else None
+        return cls(request.request_id, tokens or [], request.num_prompt_tokens, params,
+                   request.num_computed_tokens)
+
+
+class VllmSchedulerSide:
+    """kvbridge's scheduler half for one vLLM engine.
+
+    Args:
+        facts: the engine's facts.
+        settings: the connector's settings.
+    """
+
+    def __init__(self, facts: EngineFacts, settings: VllmSettings) -> None:
+        self.facts, self.settings = facts, settings
+        self._scheduler = ConnectorScheduler(
+            facts.engine_id, facts.role, facts.topology(fused_kv=False), settings.host,
+            settings.base_port, facts.block_size, lease_s=settings.lease_s,
+        )
+        self._received_here: set[str] = set()  # aborted before any worker read them
+
+    @property
+    def scheduler(self) -> ConnectorScheduler:
+        """kvbridge's scheduler half (for stats and tests)."""
+        return self._scheduler
+
+    def set_worker_addresses(self, addresses: Mapping[Any, object]) -> None:
+        """Take the workers' addresses from vLLM's handshake (any key; ranks are inside).
+
+        Raises:
+            ConfigError: an address is missing or not kvbridge's.
+        """
+        ports: dict[int, int] = {}
+        for address in addresses.values():
+            if not isinstance(address, WorkerAddress):
+                raise ConfigError(f"handshake metadata {address!r} is not a kvbridge address")
+            ports[address.global_rank] = address.port
+        world_size = self.facts.tp_size * self.facts.pp_size
+        if sorted(ports) != list(range(world_size)):
+            raise ConfigError(f"handshake: addresses of ranks {sorted(ports)}, expected "
+                              f"0..{world_size - 1}")
+        if self.settings.base_port == 0:
+            self._scheduler.set_worker_ports([ports[rank] for rank in range(world_size)])
+
+    # ---------------------------------------------------------------- loading (D)
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(_RequestView.of(request),
+                                                          num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: BlockIds,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(_RequestView.of(request), blocks,
+                                                 num_external_tokens)
+
+    # ---------------------------------------------------------------- every step
+    def build_connector_meta(self, num_scheduled_tokens: int) -> StepMetadata:
+        """The step's work for the workers.
+
+        Args:
+            num_scheduled_tokens: tokens the step computes; 0 lets the workers wait
+                for a transfer to end (``VllmSettings.idle_wait_s``).
+        """
+        pending = self._scheduler.has_pending_work()
+        work = self._scheduler.build_connector_meta()
+        idle = num_scheduled_tokens == 0 and pending and work.is_empty()
+        return StepMetadata(work=work, idle_wait_s=self.settings.idle_wait_s if idle else 0.0)
+
+    def update_connector_output(self, output: VllmConnectorOutput) -> None:
+        """Take in the workers' aggregated output before vLLM acts on it."""
+        stats = output.kv_connector_stats
+        self._scheduler.update_connector_output(KVConnectorOutput(
+            finished_sending=output.finished_sending, finished_recving=output.finished_recving,
+            kv_connector_stats=(stats.to_transfer_stats() if isinstance(stats, KVBridgeStats)
+                                else None),
+            invalid_block_ids=set(output.invalid_block_ids),
+        ))
+        # vLLM acts on these itself: drain kvbridge's copies
+        self._scheduler.take_finished_recving()
+        self._scheduler.take_finished_sending()
+        self._scheduler.take_invalid_block_ids()
+        if self._received_here:
+            output.finished_recving = (output.finished_recving or set()) | self._received_here
+            self._received_here = set()
+
+    # ---------------------------------------------------------------- request end
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a finished prefill's blocks for D (returns its params), or let them go."""
+        request_id = request.request_id
+        load = self._scheduler.load_state(request_id)
+        aborted = request.status not in _FINISHED_OK
+        delay, params = self._scheduler.request_finished(
+            _RequestView.of(request), list(block_ids), aborted=aborted)
+        if load is not None:
+            # a load's blocks are vLLM's to hold until the request is reported received
+            if load == "allocated":
+                self._received_here.add(request_id)
+            return False, None
+        return delay, params.to_json_dict() if params is not None else None
+
+    def has_pending_work(self) -> bool:
+        """Work the engine must keep stepping for (vLLM steps anyway while blocks are held)."""
+        return self._scheduler.has_pending_work()
+
+    def get_stats(self) -> ConnectorStats:
+        """kvbridge's counters and gauges of this engine."""
+        return self._scheduler.get_stats()

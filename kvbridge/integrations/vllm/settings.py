@@ -1,0 +1,110 @@
+"""``kv_connector_extra_config`` of the vLLM connector: what a deployment may set.
+
+Nothing is needed on one host; every field has a default that works there. A
+multi-host deployment sets at least ``host`` (the address D's workers reach P's
+workers at). Example ``--kv-transfer-config`` for a P on 10.0.0.1::
+
+    {"kv_connector": "KVBridgeConnector",
+     "kv_connector_module_path": "kvbridge.integrations.vllm",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {"host": "10.0.0.1", "base_port": 5600,
+                                   "secret_file": "/etc/kvbridge/secret"}}
+
+Decoded with msgspec: a wrong type, an unknown field or a value out of range
+raises ``ConfigError`` naming the field, when vLLM builds the connector.
+This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.config import AgentConfig
+from kvbridge.transfer.security import load_cluster_secret
+
+__all__ = ["VllmSettings", "parse_settings"]
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's settings (``kv_connector_extra_config``), all optional.
+
+    Attributes:
+        host: address this engine's transfer agents are reached at, announced to
+            D in ``kv_transfer_params`` (``remote_host``). Agents listen on every
+            interface. Default ``127.0.0.1``: one host.
+        base_port: 0 (default): each worker listens on a free port and P
+            announces the list (``remote_ports``), so instances never collide.
+            Else worker of global rank ``g`` listens on ``base_port + g`` (for
+            firewalls that open fixed ports).
+        secret_file: file holding the cluster secret: peers then prove they know
+            it (HMAC) before any KV moves. Default: ``$KVBRIDGE_SECRET`` if set,
+            else no authentication (trusted network only).
+        lease_s: how long P holds a finished prefill's blocks for D's readers
+            if they do not report (they normally do within milliseconds).
+        host_buffer: stage transfers through a host copy of the cache (GPU
+            caches on links that cannot reach device memory).
+        idle_wait_s: on a step with nothing to compute while transfers are in
+            flight, a worker waits up to this long for one to end instead of
+            letting the engine spin (new requests wait at most this long).
+        model_id: identity P and D must share (default: the model's name
+            and its architecture's sizes). Set it when P and D load the same
+            weights from differently named paths.
+        agent: transfer agent overrides (``kvbridge.transfer.config.AgentConfig``
+            fields, e.g. ``{"read_timeout_s": 30}``).
+    """
+
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)] = "127.0.0.1"
+    base_port: Port = 0
+    secret_file: str | None = None
+    lease_s: Seconds = 30.0
+    host_buffer: bool = False
+    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.02
+    model_id: str | None = None
+    agent: dict[str, Any] = {}
+
+    def agent_config(self) -> AgentConfig:
+        """The transfer agent's config with ``agent`` applied over the defaults.
+
+        Raises:
+            ConfigError: an unknown field or a bad value.
+        """
+        try:
+            return AgentConfig(**{"lease_s": self.lease_s, **self.agent})
+        except TypeError as exc:
+            raise ConfigError(f"kv_connector_extra_config.agent: {exc}") from None
+
+    def secret(self) -> bytes | None:
+        """The cluster secret (``secret_file``, else ``$KVBRIDGE_SECRET``), or None.
+
+        Raises:
+            ConfigError: the file cannot be read or is empty.
+        """
+        return load_cluster_secret(secret_file=self.secret_file)
+
+
+def parse_settings(extra_config: object) -> VllmSettings:
+    """Validate ``kv_connector_extra_config`` (``None`` or a dict) into settings.
+
+    Raises:
+        ConfigError: not a mapping, an unknown field, a wrong type or range.
+    """
+    if extra_config is None:
+        return VllmSettings()
+    if not isinstance(extra_config, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got "
+                          f"{type(extra_config).__name__}")
+    try:
+        settings = msgspec.convert(extra_config, VllmSettings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    if settings.base_port and settings.base_port < 1024:
+        raise ConfigError(f"kv_connector_extra_config.base_port {settings.base_port}: use 0 "
+                          f"(free ports) or a port >= 1024")
+    settings.agent_config()  # fail at start-up, not at the first transfer
+    return settings

@@ -1,0 +1,121 @@
+"""kvbridge's transfer stats in vLLM: the stats object its workers report, and its metrics.
+
+Each worker's ``get_kv_connector_stats`` returns a :class:`KVBridgeStats` built
+from kvbridge's ``TransferStats`` of the reads that ended since the last step.
+vLLM pickles it to the engine core, merges the workers' (``aggregate``), hands it
+to the scheduler side (``to_transfer_stats``) and, as a plain dict, to the
+API server, where :class:`KVBridgePromMetrics` counts it on ``/metrics``::
+
+    vllm:kvbridge_transfers_total            reads that completed (one per D worker and request)
+    vllm:kvbridge_transfer_failures_total    reads that failed (their blocks are recomputed)
+    vllm:kvbridge_transfer_bytes_total       KV bytes received
+    vllm:kvbridge_local_copies_total         completed reads copied out of P's process (same host)
+    vllm:kvbridge_transfer_seconds           histogram of read durations
+
+Its ``data`` holds only numbers and a list of floats: vLLM ships it with msgpack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvbridge.connector.outputs import TransferStats
+from kvbridge.connector.stats import DURATION_BUCKETS_S
+
+__all__ = ["KVBridgePromMetrics", "KVBridgeStats"]
+
+_COUNTS = ("num_transfers", "num_failures", "nbytes", "num_local_copies")
+
+
+class KVBridgeStats(KVConnectorStats):
+    """vLLM's stats container holding kvbridge's ``TransferStats`` fields in ``data``."""
+
+    @classmethod
+    def of(cls, stats: TransferStats) -> KVBridgeStats:
+        """The vLLM form of one worker's ``TransferStats``."""
+        data: dict[str, Any] = {name: getattr(stats, name) for name in _COUNTS}
+        data["durations_s"] = list(stats.durations_s)
+        return cls(data=data)
+
+    def to_transfer_stats(self) -> TransferStats:
+        """Back to kvbridge's form (missing keys count as zero)."""
+        return TransferStats(
+            **{name: int(self.data.get(name, 0)) for name in _COUNTS},
+            durations_s=[float(d) for d in self.data.get("durations_s", ())],
+        )
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not isinstance(other, KVBridgeStats):
+            raise TypeError(f"cannot aggregate KVBridgeStats with {type(other).__name__}")
+        merged = self.to_transfer_stats().aggregate(other.to_transfer_stats())
+        return KVBridgeStats.of(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        """What vLLM's periodic log line shows."""
+        stats = self.to_transfer_stats()
+        durations = sorted(stats.durations_s)
+        seconds = sum(durations)
+        return {
+            "transfers": stats.num_transfers,
+            "failures": stats.num_failures,
+            "MiB": round(stats.nbytes / (1 << 20), 3),
+            "local_copies": stats.num_local_copies,
+            "avg_ms": round(1e3 * seconds / len(durations), 3) if durations else 0.0,
+            "p50_ms": round(1e3 * durations[len(durations) // 2], 3) if durations else 0.0,
+            "GB/s": round(stats.nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return self.to_transfer_stats().is_empty()
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """kvbridge's counters and read-time histogram on vLLM's ``/metrics`` (names above)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counters = {
+            "num_transfers": ("vllm:kvbridge_transfers", "KV reads that completed"),
+            "num_failures": ("vllm:kvbridge_transfer_failures", "KV reads that failed"),
+            "nbytes": ("vllm:kvbridge_transfer_bytes", "KV bytes received"),
+            "num_local_copies": ("vllm:kvbridge_local_copies",
+                                 "completed KV reads copied out of a process on this host"),
+        }
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in counters.items()
+        }
+        self._seconds = create_metric_per_engine(
+            self._histogram_cls(name="vllm:kvbridge_transfer_seconds",
+                                documentation="duration of one KV read (one D worker)",
+                                labelnames=labelnames, buckets=list(DURATION_BUCKETS_S)),
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("durations_s", ()):
+            self._seconds[engine_idx].observe(seconds)

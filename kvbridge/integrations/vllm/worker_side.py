@@ -1,0 +1,140 @@
+"""The connector's worker half in vLLM: vLLM's worker calls onto kvbridge's ``ConnectorWorker``.
+
+One per vLLM worker process (TP/PP rank). vLLM's model runner calls, per step
+(steps with nothing to compute included)::
+
+    bind_connector_metadata(StepMetadata)   (the facade keeps it)
+    start_load_kv()      -> ConnectorWorker.start_load_kv: reads, notices, releases
+    ... forward ...
+    wait_for_save()      -> ConnectorWorker.wait_for_save: grants for finished prefills
+    get_finished()       -> ConnectorWorker.get_output(); (sending, recving) returned,
+    get_block_ids_with_load_errors(), get_kv_connector_stats()  -> the rest of that output
+
+On a step that computes nothing while transfers are under way, ``get_finished``
+first waits (at most ``StepMetadata.idle_wait_s``) for the transfer agent to
+say something ended, so an engine waiting for KV neither spins nor adds a
+polling delay to the transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from kvbridge.connector.outputs import TransferStats
+from kvbridge.connector.worker import ConnectorWorker
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.facts import EngineFacts, cache_topology, unique_layer_caches
+from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
+from kvbridge.integrations.vllm.settings import VllmSettings
+
+__all__ = ["VllmWorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class VllmWorkerSide:
+    """kvbridge's worker half for one vLLM worker.
+
+    Args:
+        facts: the engine's facts.
+        settings: the connector's settings.
+        tp_rank: this worker's TP rank.
+        pp_rank: this worker's PP rank.
+    """
+
+    def __init__(self, facts: EngineFacts, settings: VllmSettings, tp_rank: int,
+                 pp_rank: int) -> None:
+        self.facts, self.settings = facts, settings
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
+        self._worker: ConnectorWorker | None = None
+        self._news = threading.Event()  # set from the agent's thread: something ended
+        self._invalid: set[int] = set()
+        self._stats: TransferStats | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Start this worker's transfer agent on vLLM's caches.
+
+        Raises:
+            ConfigError: caches kvbridge cannot move, or called twice.
+            TransferError: the agent could not start (e.g. ``base_port`` taken).
+        """
+        if self._worker is not None:
+            raise ConfigError("register_kv_caches called twice")
+        layers = unique_layer_caches(kv_caches)
+        topology, compat = cache_topology(self.facts, layers)
+        settings = self.settings
+        worker = ConnectorWorker(
+            self.facts.engine_id, topology, self.tp_rank, self.pp_rank, compat,
+            host=settings.host, base_port=settings.base_port, secret=settings.secret(),
+            host_buffer=settings.host_buffer, agent_config=settings.agent_config(),
+            on_event=self._news.set,
+        )
+        try:
+            worker.register_kv_caches(layers)
+        except BaseException:
+            worker.shutdown()
+            raise
+        self._worker = worker
+        meta = worker.handshake_metadata
+        assert meta is not None
+        logger.info("kvbridge worker %s rank %d: %d layers, agent on %s:%d", meta.engine_id,
+                    meta.global_rank, len(layers), settings.host, meta.port)
+
+    def address(self) -> WorkerAddress | None:
+        """Where this worker's agent listens (None before ``register_kv_caches``)."""
+        meta = self._worker.handshake_metadata if self._worker is not None else None
+        if meta is None:
+            return None
+        return WorkerAddress(global_rank=meta.global_rank, port=meta.port)
+
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        """Start the step's reads, notices and releases (returns at once)."""
+        self._require().start_load_kv(metadata.work)
+
+    def wait_for_save(self) -> None:
+        """Hold the step's finished prefills for readers."""
+        self._require().wait_for_save()
+
+    def get_finished(self, metadata: StepMetadata | None) -> tuple[set[str] | None,
+                                                                   set[str] | None]:
+        """``(finished sending, finished recving)`` since the last step.
+
+        The step's failed blocks and stats are kept for the two calls that
+        follow in the same step.
+        """
+        worker = self._worker
+        if worker is None:
+            return None, None
+        if metadata is not None and metadata.idle_wait_s > 0:
+            self._news.wait(metadata.idle_wait_s)
+        self._news.clear()
+        output = worker.get_output()
+        self._invalid |= output.invalid_block_ids
+        stats = output.kv_connector_stats
+        if isinstance(stats, TransferStats):
+            self._stats = stats if self._stats is None else self._stats.aggregate(stats)
+        return output.finished_sending, output.finished_recving
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """Blocks whose load failed, reported no later than their request's recving."""
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def take_stats(self) -> TransferStats | None:
+        """Stats of the reads that ended since the last call, or None."""
+        stats, self._stats = self._stats, None
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the transfer agent. Idempotent."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _require(self) -> ConnectorWorker:
+        if self._worker is None:
+            raise ConfigError("register_kv_caches must be called first")
+        return self._worker
