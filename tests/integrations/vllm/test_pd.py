@@ -1,0 +1,273 @@
+"""P/D through KVBridgeConnector in real vLLM servers, token for token against colocated vLLM.
+
+Servers (bf16 tiny Llama, block size 128, TP 1): a plain colocated vLLM for the
+reference answers, P and D with the zero config a user types. Each P/D answer
+must equal the colocated one and D must have loaded the prompt's KV through the
+connector (kvbridge's transfer counters and vLLM's external prefix-cache hits),
+and P must give its blocks back once D has read them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integrations.vllm.client import KV_CACHE_USAGE, complete, poll_metrics
+from tests.integrations.vllm.pd import (
+    BLOCK_SIZE,
+    BYTES,
+    NUM_NEW_TOKENS,
+    TRANSFERS,
+    ZERO_CONFIG,
+    counters,
+    kvbridge_proxy,
+    pd_complete,
+    prefill,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
+BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2
+
+
+@pytest.fixture
+def ref_spec(tiny_llama: Path) -> ServerSpec:
+    return ServerSpec(tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE)
+
+
+@pytest.fixture
+def p_spec(tiny_llama: Path) -> ServerSpec:
+    return ServerSpec(
+        tiny_llama,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=json.dumps(ZERO_CONFIG),
+        instance="p",
+    )
+
+
+@pytest.fixture
+def d_spec(tiny_llama: Path) -> ServerSpec:
+    return ServerSpec(
+        tiny_llama,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=json.dumps(ZERO_CONFIG),
+        instance="d",
+    )
+
+
+_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+
+def reference(
+    servers: ServersForTest,
+    spec: ServerSpec,
+    prompts: list[list[int]],
+    max_tokens: int = NUM_NEW_TOKENS,
+) -> list[list[int]]:
+    """Colocated greedy tokens of ``prompts`` (asked once per prompt in the session)."""
+    missing = [p for p in prompts if tuple(p) + (max_tokens,) not in _REFERENCE]
+    if missing:
+        server = servers.shared(spec)
+        for prompt in missing:
+            _REFERENCE[tuple(prompt) + (max_tokens,)] = complete(
+                server.base_url, prompt, max_tokens
+            ).token_ids
+    return [_REFERENCE[tuple(p) + (max_tokens,)] for p in prompts]
+
+
+def pd_pair(
+    servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec
+) -> tuple[VllmServer, VllmServer]:
+    return servers.shared(p_spec), servers.shared(d_spec)
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600, 1500])
+def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    num_prompt_tokens: int,
+) -> None:
+    prompt = prompt_ids(num_prompt_tokens)
+    [expected] = reference(vllm_servers, ref_spec, [prompt])
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
+    assert result.completion.token_ids == expected
+    # P announces where its (only) worker listens: its own port, not a base
+    params = result.params
+    assert len(params["remote_ports"]) == 1 and params["remote_port"] == params["remote_ports"][0]
+    assert params["remote_block_size"] == BLOCK_SIZE
+    # D loaded everything but the last prompt token, whose logits it computes itself
+    num_blocks = -(-(num_prompt_tokens - 1) // BLOCK_SIZE)
+    assert (result.num_transfers, result.num_failures) == (1, 0)
+    assert result.external_hits == num_prompt_tokens - 1
+    assert result.nbytes == num_blocks * BLOCK_NBYTES
+    # P gives its blocks back once D has read them; D's are free once answered
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_d_reads_only_what_its_prefix_cache_lacks(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+) -> None:
+    first = prompt_ids(700, seed=1)
+    partial = first[: 3 * BLOCK_SIZE] + prompt_ids(300, seed=2)  # shares 3 blocks
+    full = prompt_ids(4 * BLOCK_SIZE + 1, seed=3)  # a second time: 4 blocks hit, 1 token left
+    expected = reference(vllm_servers, ref_spec, [first, partial, full])
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+
+    assert (
+        pd_complete(p.base_url, d.base_url, first, expect_transfers=1).completion.token_ids
+        == expected[0]
+    )
+    result = pd_complete(p.base_url, d.base_url, partial, expect_transfers=1)
+    assert result.completion.token_ids == expected[1]
+    assert result.external_hits == len(partial) - 1 - 3 * BLOCK_SIZE
+    assert result.nbytes == (-(-(len(partial) - 1) // BLOCK_SIZE) - 3) * BLOCK_NBYTES
+
+    assert (
+        pd_complete(p.base_url, d.base_url, full, expect_transfers=1).completion.token_ids
+        == expected[2]
+    )
+    result = pd_complete(p.base_url, d.base_url, full)
+    assert result.completion.token_ids == expected[2]
+    assert (result.num_transfers, result.nbytes, result.external_hits) == (0, 0, 0)
+    wait_usage(p.base_url)  # D said it will not read: P lets go at once, not at the lease
+
+
+def test_eight_requests_at_once_through_kvbridge_proxy(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    prompts = [
+        prompt_ids(n, seed=10 + i) for i, n in enumerate([7, 90, 130, 256, 300, 511, 800, 1200])
+    ]
+    expected = reference(vllm_servers, ref_spec, prompts)
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    before = counters(d.base_url)
+    answers: dict[int, list[int] | BaseException] = {}
+
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+
+        def ask(index: int) -> None:
+            try:
+                answers[index] = complete(
+                    proxy, prompts[index], NUM_NEW_TOKENS, model=str(p.spec.model)
+                ).token_ids
+            except BaseException as exc:  # reported below
+                answers[index] = exc
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+    assert answers == dict(enumerate(expected))
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
+    assert after[TRANSFERS] == before[TRANSFERS] + 8
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_requests_shaped_like_vllms_toy_proxy(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+) -> None:
+    prompt = prompt_ids(333, seed=4)
+    [expected] = reference(vllm_servers, ref_spec, [prompt])
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    before = counters(d.base_url)
+    # what vllm's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py sends
+    to_p = {
+        "model": str(p.spec.model),
+        "prompt": prompt,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "temperature": 0.0,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    answer = httpx.post(f"{p.base_url}/v1/completions", json=to_p, timeout=60).json()
+    to_d = {
+        "model": str(d.spec.model),
+        "prompt": prompt,
+        "max_tokens": NUM_NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": answer["kv_transfer_params"],
+    }
+    reply = httpx.post(f"{d.base_url}/v1/completions", json=to_d, timeout=60).json()
+    assert reply["choices"][0]["token_ids"] == expected
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) > before[TRANSFERS])
+    assert after[BYTES] - before[BYTES] == 3 * BLOCK_NBYTES
+
+
+def test_client_leaving_d_gives_every_block_back(
+    vllm_servers: ServersForTest,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+) -> None:
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    for num_tokens in (900, 1400):
+        prompt = prompt_ids(num_tokens, seed=5)
+        params = prefill(p.base_url, prompt)
+        poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)  # held for D
+        body = {
+            "model": str(d.spec.model),
+            "prompt": prompt,
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": params,
+        }
+        with httpx.stream(
+            "POST", f"{d.base_url}/v1/completions", json=body, timeout=60
+        ) as response:
+            for _ in response.iter_lines():
+                break  # the client reads one event and leaves
+        wait_usage(p.base_url)
+        wait_usage(d.base_url)
+
+
+def test_unread_prefill_is_held_until_its_lease_ends(
+    vllm_servers: ServersForTest,
+    tiny_llama: Path,
+) -> None:
+    spec = ServerSpec(
+        tiny_llama,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=json.dumps({**ZERO_CONFIG, "kv_connector_extra_config": {"lease_s": 3}}),
+        instance="lease",
+    )
+    p = vllm_servers.private(spec)
+    prefill(p.base_url, prompt_ids(700, seed=6))  # nobody ever reads it
+    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)
+    wait_usage(p.base_url, timeout_s=15)

@@ -1,0 +1,100 @@
+"""KVBridgeConnector in real vLLM when things go wrong: P dies, a peer lacks the secret.
+
+A D that cannot load a prompt's KV either recomputes it (``kv_load_failure_policy``
+"recompute": the answer still equals colocated vLLM) or fails the request
+("fail", vLLM's default) — never a wrong token — and its transfer counters show
+the load failed rather than happened.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integrations.vllm.client import complete
+from tests.integrations.vllm.pd import (
+    BLOCK_SIZE,
+    FAILURES,
+    NUM_NEW_TOKENS,
+    TRANSFERS,
+    ZERO_CONFIG,
+    counters,
+    kv_config,
+    pd_complete,
+    poll_metrics,
+    prefill,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(900)]
+
+
+def spec(model: Path, config: str, instance: str) -> ServerSpec:
+    return ServerSpec(model, dtype="bfloat16", block_size=BLOCK_SIZE, kv_transfer_config=config,
+                      instance=instance)
+
+
+def assert_request_fails(d: VllmServer, prompt: list[int], params: dict[str, object]) -> None:
+    """D with policy "fail" answers with an error, never with tokens."""
+    before = counters(d.base_url)
+    try:
+        done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+    except httpx.HTTPStatusError as exc:
+        assert exc.response.status_code >= 400
+    else:
+        assert done.finish_reason not in ("length", "stop"), done.response
+    after = poll_metrics(d.base_url, lambda m: m.get(FAILURES, 0) > before[FAILURES])
+    assert after[TRANSFERS] == before[TRANSFERS]
+
+
+def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Path) -> None:
+    p = vllm_servers.private(spec(tiny_llama, json.dumps(ZERO_CONFIG), "doomed"))
+    d_recompute = vllm_servers.private(spec(tiny_llama, kv_config("recompute"), "recompute"))
+    d_fail = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "d"))
+    prompt = prompt_ids(650, seed=30)
+    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids  # colocated, on P
+    params = prefill(p.base_url, prompt)
+    p.stop()
+
+    before = counters(d_recompute.base_url)
+    done = complete(d_recompute.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+    assert done.token_ids == expected
+    after = poll_metrics(d_recompute.base_url,
+                         lambda m: m.get(FAILURES, 0) > before[FAILURES])
+    assert after[TRANSFERS] == before[TRANSFERS]  # recomputed, not loaded
+    wait_usage(d_recompute.base_url)
+
+    assert_request_fails(d_fail, prompt, params)
+    wait_usage(d_fail.base_url)
+    # the failed D still serves: a request without params answers as colocated
+    assert complete(d_fail.base_url, prompt, NUM_NEW_TOKENS).token_ids == expected
+
+
+def test_a_peer_without_the_secret_is_refused(
+    vllm_servers: ServersForTest, tiny_llama: Path, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a cluster secret of at least 16 bytes\n")
+    secret.chmod(0o600)
+    with_secret = kv_config(secret_file=str(secret))
+    p = vllm_servers.private(spec(tiny_llama, with_secret, "p-secret"))
+    d = vllm_servers.private(spec(tiny_llama, with_secret, "d-secret"))
+    d_without = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "d"))
+    prompt = prompt_ids(400, seed=31)
+    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+
+    ok = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
+    assert ok.completion.token_ids == expected and ok.num_transfers == 1
+
+    params = prefill(p.base_url, prompt)
+    assert_request_fails(d_without, prompt, params)
+    log = p.log_path.read_text(errors="replace")
+    assert "proof" in log or "secret" in log or "auth" in log, log[-3000:]
+    # P is not wedged: the refused reader's grant ends with its lease; others still read
+    again = pd_complete(p.base_url, d.base_url, prompt_ids(300, seed=32), expect_transfers=1)
+    assert again.num_transfers == 1

@@ -1,0 +1,62 @@
+"""Heterogeneous TP through KVBridgeConnector in real vLLM: P TP 2 -> D TP 1 and P TP 1 -> D TP 2.
+
+Float32 tiny Llama with wide logits (greedy tokens agree between TP 1 and TP 2
+colocated, ``test_colocated.py``). Two servers, each both P and D: a TP 1 and a
+TP 2 one. The reference is P's own colocated answer (without the connector's
+params), asked before D sees the prompt: D's prefix cache must not hold it.
+A D rank reads its heads from every P rank holding them: D TP 1 reads half
+its heads from each of P's two ranks (one read, counted once); each rank of
+D TP 2 reads its half from P's one rank (two reads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.client import complete
+from tests.integrations.vllm.pd import (
+    BLOCK_SIZE,
+    NUM_NEW_TOKENS,
+    ZERO_CONFIG,
+    pd_complete,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# per block, whole model: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 4 bytes
+BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 4
+
+
+def test_p_and_d_with_different_tp_sizes(
+    vllm_servers: ServersForTest, tiny_llama_fp32: Path
+) -> None:
+    specs = [ServerSpec(tiny_llama_fp32, dtype="float32", block_size=BLOCK_SIZE,
+                        tensor_parallel_size=tp, kv_transfer_config=json.dumps(ZERO_CONFIG))
+             for tp in (1, 2)]
+    tp1, tp2 = (vllm_servers.shared(spec) for spec in specs)
+    for num_tokens in (9, 300, 1100):
+        num_blocks = -(-(num_tokens - 1) // BLOCK_SIZE)
+        prompt = prompt_ids(num_tokens, seed=20)
+        expected = complete(tp2.base_url, prompt, NUM_NEW_TOKENS).token_ids
+        down = pd_complete(tp2.base_url, tp1.base_url, prompt, expect_transfers=1)
+        assert down.completion.token_ids == expected, "P TP 2 -> D TP 1"
+        assert len(down.params["remote_ports"]) == 2 and down.params["remote_tp_size"] == 2
+        assert (down.num_transfers, down.num_failures) == (1, 0)
+        assert down.nbytes == num_blocks * BLOCK_NBYTES
+        assert down.external_hits == num_tokens - 1
+
+        prompt = prompt_ids(num_tokens, seed=21)
+        expected = complete(tp1.base_url, prompt, NUM_NEW_TOKENS).token_ids
+        up = pd_complete(tp1.base_url, tp2.base_url, prompt, expect_transfers=2)
+        assert up.completion.token_ids == expected, "P TP 1 -> D TP 2"
+        assert (up.num_transfers, up.num_failures) == (2, 0)
+        assert up.nbytes == num_blocks * BLOCK_NBYTES  # each D rank half of every block
+        assert up.external_hits == num_tokens - 1
+        for server in (tp1, tp2):
+            wait_usage(server.base_url)
