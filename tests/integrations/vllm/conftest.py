@@ -1,7 +1,7 @@
 """Fixtures for tests against real vLLM servers (the CPU build) on a tiny random Llama.
 
 - ``tiny_llama`` / ``tiny_llama_fp32``: model folders built once per session
-  (``tiny_model.py``); ``tiny_model_factory`` builds other variants.
+  (``kvbridge/integrations/vllm/tiny_model.py``); ``tiny_model_factory`` builds other variants.
 - ``vllm_servers``: ``.shared(spec)`` for a server kept for later tests (of this
   package) with the same ``ServerSpec``, ``.private(spec)`` for one stopped at
   the end of this test.
@@ -51,7 +51,7 @@ def vllm_importable() -> None:
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
     """``factory(dtype="bfloat16", initializer_range=0.02, seed=0) -> model dir``, built once each.
 
-    Built by ``python -m tests.integrations.vllm.tiny_model`` (a few seconds) so that
+    Built by ``python -m kvbridge.integrations.vllm.tiny_model`` (a few seconds) so that
     transformers stays out of this process.
     """
     built: dict[tuple[str, float, int], Path] = {}
@@ -62,7 +62,7 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
             out = tmp_path_factory.mktemp(f"tiny-llama-{dtype}-{initializer_range}-{seed}")
             subprocess.run(
                 [
-                    sys.executable, "-m", "tests.integrations.vllm.tiny_model", str(out),
+                    sys.executable, "-m", "kvbridge.integrations.vllm.tiny_model", str(out),
                     "--dtype", dtype,
                     "--initializer-range", str(initializer_range),
                     "--seed", str(seed),

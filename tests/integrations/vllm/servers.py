@@ -90,7 +90,7 @@ class ServerSpec:
     """Everything that makes one server different from another (hashable: a pool key).
 
     Attributes:
-        model: Model folder (see ``tiny_model.build_tiny_llama``).
+        model: Model folder (see ``kvbridge.integrations.vllm.tiny_model.build_tiny_llama``).
         dtype: ``--dtype``; "auto" follows the model's config.
         block_size: ``--block-size``; the CPU attention backend wants a multiple of 32.
         tensor_parallel_size: >1 adds ``--distributed-executor-backend mp``.

@@ -1,17 +1,19 @@
 """A random-weight Llama small enough for vLLM on two CPU cores, made on the spot.
 
-There is no model hub here, so the vLLM tests build their model: a
-``transformers`` Llama with random weights and a byte-level BPE tokenizer
-trained on a generated corpus. Byte-level BPE maps every byte to a token
+For trying kvbridge in vLLM where no model hub is reachable (the vLLM tests,
+``kvbridge bench vllm``, ``examples/vllm``): ``python -m
+kvbridge.integrations.vllm.tiny_model DIR`` writes a ``transformers`` Llama
+with random weights and a byte-level BPE tokenizer trained on a generated
+corpus. Byte-level BPE maps every byte to a token
 first, so any text round-trips (``decode(encode(text)) == text``).
 
 Everything is a function of ``seed``: the same seed writes byte-identical
 ``model.safetensors`` and ``tokenizer.json``, so greedy outputs can be compared
 across servers and runs.
 
-``conftest.py`` calls this in a subprocess (``python -m
-tests.integrations.vllm.tiny_model DIR ...``) so that ``transformers`` never
-loads into the pytest process that runs the rest of the suite.
+Its answers mean nothing; they are only the same wherever the model runs.
+The tests call it in a subprocess so that ``transformers`` never loads into
+the pytest process that runs the rest of the suite.
 """
 
 from __future__ import annotations
