@@ -32,6 +32,7 @@ Dtype = Literal["bfloat16", "float32"]
 BOS, EOS = "<s>", "</s>"
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 8192  # prompts of ~4k tokens plus their completions
+HEAD_DIM = 32
 
 # Words for the tokenizer's training corpus: enough shared sub-words for the
 # merges to look like English. Any text still encodes, byte by byte if need be.
@@ -54,37 +55,53 @@ def build_tiny_llama(
     dtype: Dtype = "bfloat16",
     initializer_range: float = 0.02,
     seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
 ) -> Path:
     """Write a random-weight Llama, its tokenizer and generation config to ``out_dir``.
 
-    The shape (hidden 128, 2 layers, 4 query heads of 32, 2 KV heads) splits
-    evenly over tensor-parallel 2. A wider ``initializer_range`` (0.2) spreads
-    the logits so that greedy picks survive the different reduction order of
-    tensor parallelism, in float32; in bfloat16 they do not.
+    The default shape (hidden 128, 2 layers, 4 query heads of 32, 2 KV heads)
+    splits evenly over tensor-parallel 2. Larger shapes keep heads of 32 and
+    the 2:1 ratio of query to KV heads (hidden 512: 16 query, 8 KV heads), and
+    an MLP twice as wide as the hidden size. A wider ``initializer_range``
+    (0.2) spreads the logits so that greedy picks survive the different
+    reduction order of tensor parallelism, in float32; in bfloat16 they do not.
 
     Args:
         out_dir: Folder to write (created if missing; files in it are replaced).
         dtype: Weight dtype stored and named in ``config.json``.
         initializer_range: Standard deviation of the random weights.
         seed: Seeds the weights and the training corpus; same seed, same files.
+        hidden_size: Model width, a multiple of ``2 * HEAD_DIM`` (64).
+        num_layers: Decoder layers (each holds one K and one V cache).
 
     Returns:
         ``out_dir`` as a ``Path``, ready for ``vllm ... --model out_dir``.
 
+    Raises:
+        ValueError: ``hidden_size`` not a positive multiple of 64, or
+            ``num_layers`` below 1.
+
     Side effects:
         None on the caller's torch RNG (the weights are drawn in a forked RNG).
     """
+    if hidden_size < 2 * HEAD_DIM or hidden_size % (2 * HEAD_DIM):
+        raise ValueError(f"hidden_size {hidden_size} is not a positive multiple of "
+                         f"{2 * HEAD_DIM}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers {num_layers} < 1")
+    num_heads = hidden_size // HEAD_DIM
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(seed)
     tokenizer.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,
@@ -133,15 +150,19 @@ def _train_tokenizer(seed: int) -> PreTrainedTokenizerFast:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tests.integrations.vllm.tiny_model OUT_DIR [--dtype ...] [--seed N]``."""
+    """``python -m kvbridge.integrations.vllm.tiny_model OUT_DIR [--hidden N] [--layers N] ...``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--initializer-range", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=128,
+                        help="hidden size, a multiple of 64 (default 128)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     args = parser.parse_args(argv)
     build_tiny_llama(
-        args.out_dir, dtype=args.dtype, initializer_range=args.initializer_range, seed=args.seed
+        args.out_dir, dtype=args.dtype, initializer_range=args.initializer_range, seed=args.seed,
+        hidden_size=args.hidden, num_layers=args.layers,
     )
 
 

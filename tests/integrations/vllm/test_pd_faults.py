@@ -98,3 +98,25 @@ def test_a_peer_without_the_secret_is_refused(
     # P is not wedged: the refused reader's grant ends with its lease; others still read
     again = pd_complete(p.base_url, d.base_url, prompt_ids(300, seed=32), expect_transfers=1)
     assert again.num_transfers == 1
+
+
+def test_block_sizes_it_cannot_convert_are_refused_not_moved(
+    vllm_servers: ServersForTest, tiny_llama: Path
+) -> None:
+    # vLLM's CPU cache stores K transposed inside each block: kvbridge cannot regroup
+    # its tokens into blocks of another size, so the handshake refuses the pair
+    p = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "p"))
+    d = vllm_servers.private(ServerSpec(tiny_llama, dtype="bfloat16", block_size=64,
+                                        kv_transfer_config=kv_config("recompute"),
+                                        instance="d-64"))
+    prompt = prompt_ids(500, seed=33)
+    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+    before = counters(d.base_url)
+    done = complete(d.base_url, prompt, NUM_NEW_TOKENS,
+                    kv_transfer_params=prefill(p.base_url, prompt))
+    assert done.token_ids == expected  # recomputed
+    after = poll_metrics(d.base_url, lambda m: m.get(FAILURES, 0) > before[FAILURES])
+    assert after[TRANSFERS] == before[TRANSFERS]
+    log = d.log_path.read_text(errors="replace")
+    assert "equal block sizes: local 64, remote 128" in log, log[-3000:]
+    wait_usage(d.base_url)  # (P, never asked for a block, frees at its lease's end)

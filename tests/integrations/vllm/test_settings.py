@@ -1,0 +1,63 @@
+"""``kv_connector_extra_config`` parsing (no vLLM process needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.settings import VllmSettings, parse_settings
+
+
+def test_zero_config_is_one_host_with_free_ports() -> None:
+    for raw in (None, {}):
+        settings = parse_settings(raw)
+        assert settings == VllmSettings()
+        assert (settings.host, settings.base_port, settings.secret_file) == ("127.0.0.1", 0, None)
+    assert parse_settings({}).agent_config().lease_s == 30.0
+
+
+def test_multi_host_settings(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef0123\n")
+    secret.chmod(0o600)
+    settings = parse_settings({"host": "10.0.0.1", "base_port": 5600, "lease_s": 12,
+                               "secret_file": str(secret), "agent": {"read_timeout_s": 9}})
+    assert settings.secret() == b"0123456789abcdef0123"
+    config = settings.agent_config()
+    assert (config.lease_s, config.read_timeout_s) == (12.0, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ([1], "JSON object"),
+        ({"hostt": "x"}, "hostt"),
+        ({"base_port": 70000}, "base_port"),
+        ({"base_port": 80}, "base_port"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"idle_wait_s": 5}, "idle_wait_s"),
+        ({"host_buffer": "yes"}, "host_buffer"),
+        ({"agent": {"no_such_option": 1}}, "no_such_option"),
+        ({"agent": {"read_timeout_s": -1}}, "read_timeout_s"),
+    ],
+)
+def test_bad_settings_name_the_field(raw: object, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        parse_settings(raw)
+
+
+def test_unreadable_secret_file_is_a_config_error(tmp_path: Path) -> None:
+    settings = parse_settings({"secret_file": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="missing"):
+        settings.secret()
+
+
+def test_settings_and_kvbridge_import_without_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, kvbridge, kvbridge.integrations.vllm.settings, "
+            "kvbridge.integrations.vllm.facts; assert 'vllm' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
