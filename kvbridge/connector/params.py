@@ -88,11 +88,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         ]
         if self.remote_num_tokens < 1:
             missing.append("remote_num_tokens")
-        if not self.remote_block_ids:
-            missing.append("remote_block_ids")
         num_ranks = self.remote_tp_size * self.remote_pp_size
         if self.remote_ports and len(self.remote_ports) != num_ranks:
             missing.append(f"remote_ports ({len(self.remote_ports)} ports for {num_ranks} ranks)")
+        if not self.remote_block_ids:
+            missing.append("remote_block_ids")
         elif self.remote_block_size is not None:
             num_needed = -(-self.remote_num_tokens // self.remote_block_size)
             if len(self.remote_block_ids) < num_needed:
