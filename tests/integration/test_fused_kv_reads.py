@@ -1,6 +1,6 @@
 """Real UCX reads between agents over fused K/V caches (vLLM CPU), and per-rank port lists.
 
-P's agents live in one child process, D's in another (``fused_agents.py``). After
+P's agents live in one child process, D's in another (``agent_proc.py``). After
 a read, D's blocks must equal P's byte for byte: a fused block keeps K
 transposed, so only whole blocks moved as they are will do, through every path
 (direct into D's blocks, same-host copies, staged through pack/unpack) and with
@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.fused_agents import FusedHost, FusedSpec
 from tests.integration.test_transfer_reads import close_engine, issue, wait_read, wait_released
 from tests.ports import free_port_base
-from tests.transfer.agent_proc import AgentRef
+from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +34,22 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+FUSED = Spec("", layout="HND", block_size=BLOCK, num_kv_heads=4, head_dim=16, num_layers=3,
+             num_blocks=16, fused=True)
+
+
+def fused_spec(engine_id: str, **kwargs: Any) -> Spec:
+    """A rank of a small engine with fused caches (``fused=False``: plain HND ones)."""
+    return replace(FUSED, engine_id=engine_id, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[tuple[FusedHost, FusedHost]]:
-    p_host, d_host = FusedHost(), FusedHost()
-    try:
-        yield p_host, d_host
-    finally:
-        p_host.close()
-        d_host.close()
+def hosts() -> Iterator[tuple[Host, Host]]:
+    with host_pair() as pair:
+        yield pair
 
 
-def start_engine(host: FusedHost, spec: FusedSpec, *, any_port: bool = False) -> list[AgentRef]:
+def start_engine(host: Host, spec: Spec, *, any_port: bool = False) -> list[AgentRef]:
     """All ranks of ``spec``: on consecutive ports, or (``any_port``) each on any free one."""
     base = None if any_port else free_port_base(spec.tp_size)
     return [host.add(replace(spec, tp_rank=rank, port=0 if base is None else base + rank))
@@ -67,8 +71,8 @@ def read(d_engine: list[AgentRef], p_engine: list[AgentRef], request_id: str, to
 def blocks(engine: list[AgentRef], block_ids: list[int]) -> torch.Tensor:
     """The engine's blocks, all layers, heads of all ranks in rank order, as raw int16.
 
-    Fused: ``[layers, blocks, heads, block_size, 2 * head_size]``, each head's
-    K^T | V run. Plain: ``[layers, 2, blocks, heads, block_size, head_size]``.
+    Fused: ``[layers, blocks, heads, block_size, 2 * head_dim]``, each head's
+    K^T | V run. Plain: ``[layers, 2, blocks, heads, block_size, head_dim]``.
     """
     fused = engine[0].spec.fused
     ranks = [torch.stack(agent.call("caches")) for agent in engine]
@@ -84,13 +88,13 @@ def outcomes(d_engine: list[AgentRef], request_id: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(("p_tp", "d_tp", "num_kv_heads"),
                          [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 1, 2), (1, 2, 2)])
 def test_fused_blocks_arrive_byte_for_byte(
-    hosts: tuple[FusedHost, FusedHost], mode: str, p_tp: int, d_tp: int, num_kv_heads: int,
+    hosts: tuple[Host, Host], mode: str, p_tp: int, d_tp: int, num_kv_heads: int,
 ) -> None:
     name = f"{mode}-{p_tp}{d_tp}{num_kv_heads}"
-    p_engine = start_engine(hosts[0], FusedSpec(f"p-{name}", tp_size=p_tp, seed=p_tp + d_tp,
-                                                num_kv_heads=num_kv_heads))
-    d_engine = start_engine(hosts[1], FusedSpec(f"d-{name}", tp_size=d_tp, seed=-1,
-                                                num_kv_heads=num_kv_heads, config=MODES[mode]))
+    p_engine = start_engine(hosts[0], fused_spec(f"p-{name}", tp_size=p_tp, seed=p_tp + d_tp,
+                                                 num_kv_heads=num_kv_heads))
+    d_engine = start_engine(hosts[1], fused_spec(f"d-{name}", tp_size=d_tp, seed=-1,
+                                                 num_kv_heads=num_kv_heads, config=MODES[mode]))
     try:
         token = issue(p_engine, "req", P_BLOCKS, max(1, d_tp // p_tp))
         read(d_engine, p_engine, "req", token)
@@ -112,10 +116,10 @@ def test_fused_blocks_arrive_byte_for_byte(
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_read_from_a_block_boundary_leaves_the_blocks_before_alone(
-    hosts: tuple[FusedHost, FusedHost], mode: str,
+    hosts: tuple[Host, Host], mode: str,
 ) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec(f"p-hit-{mode}", tp_size=2, seed=5))
-    d_engine = start_engine(hosts[1], FusedSpec(f"d-hit-{mode}", seed=-1, config=MODES[mode]))
+    p_engine = start_engine(hosts[0], fused_spec(f"p-hit-{mode}", tp_size=2, seed=5))
+    d_engine = start_engine(hosts[1], fused_spec(f"d-hit-{mode}", seed=-1, config=MODES[mode]))
     try:
         token = issue(p_engine, "req", P_BLOCKS, 1)
         read(d_engine, p_engine, "req", token, first_token=BLOCK)  # D holds block 0 itself
@@ -140,9 +144,9 @@ def assert_failed(d_engine: list[AgentRef], request_id: str, *texts: str) -> Non
 
 
 @pytest.mark.parametrize("mode", ["copy", "staged"])
-def test_another_block_size_is_refused(hosts: tuple[FusedHost, FusedHost], mode: str) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec(f"p-bs-{mode}", block_size=64, seed=6))
-    d_engine = start_engine(hosts[1], FusedSpec(f"d-bs-{mode}", seed=-1, config=MODES[mode]))
+def test_another_block_size_is_refused(hosts: tuple[Host, Host], mode: str) -> None:
+    p_engine = start_engine(hosts[0], fused_spec(f"p-bs-{mode}", block_size=64, seed=6))
+    d_engine = start_engine(hosts[1], fused_spec(f"d-bs-{mode}", seed=-1, config=MODES[mode]))
     try:
         token = issue(p_engine, "req", P_BLOCKS[:2], 1)
         read(d_engine, p_engine, "req", token)
@@ -155,10 +159,10 @@ def test_another_block_size_is_refused(hosts: tuple[FusedHost, FusedHost], mode:
 
 @pytest.mark.parametrize("p_fused", [True, False])
 def test_fused_and_plain_caches_are_refused(
-    hosts: tuple[FusedHost, FusedHost], p_fused: bool,
+    hosts: tuple[Host, Host], p_fused: bool,
 ) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec(f"p-mix-{p_fused}", fused=p_fused, seed=7))
-    d_engine = start_engine(hosts[1], FusedSpec(f"d-mix-{p_fused}", fused=not p_fused, seed=-1))
+    p_engine = start_engine(hosts[0], fused_spec(f"p-mix-{p_fused}", fused=p_fused, seed=7))
+    d_engine = start_engine(hosts[1], fused_spec(f"d-mix-{p_fused}", fused=not p_fused, seed=-1))
     try:
         token = issue(p_engine, "req", P_BLOCKS, 1)
         read(d_engine, p_engine, "req", token)
@@ -168,9 +172,9 @@ def test_fused_and_plain_caches_are_refused(
         close_engine(d_engine)
 
 
-def test_a_read_starting_inside_a_block_is_refused(hosts: tuple[FusedHost, FusedHost]) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec("p-mid", seed=8))
-    d_engine = start_engine(hosts[1], FusedSpec("d-mid", seed=-1, config=MODES["staged"]))
+def test_a_read_starting_inside_a_block_is_refused(hosts: tuple[Host, Host]) -> None:
+    p_engine = start_engine(hosts[0], fused_spec("p-mid", seed=8))
+    d_engine = start_engine(hosts[1], fused_spec("d-mid", seed=-1, config=MODES["staged"]))
     try:
         token = issue(p_engine, "req", P_BLOCKS, 1)
         read(d_engine, p_engine, "req", token, first_token=BLOCK + 3)
@@ -185,10 +189,10 @@ def test_a_read_starting_inside_a_block_is_refused(hosts: tuple[FusedHost, Fused
 
 
 def test_a_per_rank_port_list_reaches_ranks_on_any_ports(
-    hosts: tuple[FusedHost, FusedHost],
+    hosts: tuple[Host, Host],
 ) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec("p-ports", tp_size=2, seed=9), any_port=True)
-    d_engine = start_engine(hosts[1], FusedSpec("d-ports", seed=-1))
+    p_engine = start_engine(hosts[0], fused_spec("p-ports", tp_size=2, seed=9), any_port=True)
+    d_engine = start_engine(hosts[1], fused_spec("d-ports", seed=-1))
     ports = [agent.port for agent in p_engine]
     try:
         token = issue(p_engine, "req", P_BLOCKS, 1)
@@ -207,9 +211,9 @@ def test_a_per_rank_port_list_reaches_ranks_on_any_ports(
         close_engine(d_engine)
 
 
-def test_a_port_list_too_short_fails_the_read(hosts: tuple[FusedHost, FusedHost]) -> None:
-    p_engine = start_engine(hosts[0], FusedSpec("p-short", tp_size=2, seed=10), any_port=True)
-    d_engine = start_engine(hosts[1], FusedSpec("d-short", seed=-1))
+def test_a_port_list_too_short_fails_the_read(hosts: tuple[Host, Host]) -> None:
+    p_engine = start_engine(hosts[0], fused_spec("p-short", tp_size=2, seed=10), any_port=True)
+    d_engine = start_engine(hosts[1], fused_spec("d-short", seed=-1))
     try:
         token = issue(p_engine, "req", P_BLOCKS, 1)
         read(d_engine, p_engine, "req", token, port=[p_engine[0].port])
@@ -231,9 +235,9 @@ def test_a_port_list_too_short_fails_the_read(hosts: tuple[FusedHost, FusedHost]
 @pytest.mark.parametrize(("case", "ports"), [("empty", []), ("zero", [0, 5601]),
                                              ("too_big", [70000]), ("text", ["5600"])])
 def test_a_port_list_that_names_no_ports_is_refused_at_once(
-    hosts: tuple[FusedHost, FusedHost], case: str, ports: list[Any],
+    hosts: tuple[Host, Host], case: str, ports: list[Any],
 ) -> None:
-    [reader] = start_engine(hosts[1], FusedSpec(f"d-bad-{case}", seed=-1))
+    [reader] = start_engine(hosts[1], fused_spec(f"d-bad-{case}", seed=-1))
     try:
         with pytest.raises(RuntimeError, match="per-rank port list must be non-empty ints"):
             reader.call("read", request_id="req", engine_id="p", host="127.0.0.1", port=ports,

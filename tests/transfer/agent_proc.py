@@ -4,6 +4,10 @@ A :class:`Host` is a "spawn" child process (``tests/child_host.py``) that hosts
 any number of agents (each with its own loop thread and UCX worker), so tests
 pay the interpreter start-up once per process. Every call has a timeout: a
 wedged agent fails the test instead of hanging it.
+
+A spec with ``fused=True`` (``layout="HND"``) lays its caches out as vLLM's CPU
+attention backend hands them to a connector: one ``[num_blocks, num_kv_heads,
+block_size, 2 * head_dim]`` tensor per layer, all views of one storage.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Spec:
     seed: int = 0
     secret: bytes | None = None
     model: str = "tiny"
+    fused: bool = False  # vLLM CPU caches (K^T | V per block and head); needs HND
     config: dict[str, Any] = field(default_factory=dict)
 
     def topology(self) -> EngineTopology:
@@ -52,6 +57,7 @@ class Spec:
             tp_size=self.tp_size, pp_size=1, block_size=self.block_size,
             num_kv_heads=1 if self.is_mla else self.num_kv_heads, is_mla=self.is_mla,
             layout=KVLayout.parse(self.layout), num_layers=self.num_layers,
+            fused_kv=self.fused,
         )
 
     def compat(self) -> CompatInfo:
@@ -59,6 +65,7 @@ class Spec:
             self.model, "bfloat16", num_kv_heads=1 if self.is_mla else self.num_kv_heads,
             head_dim=self.head_dim, num_layers=self.num_layers,
             layout=KVLayout.parse(self.layout), block_size=self.block_size, is_mla=self.is_mla,
+            fused_kv=self.fused,
         )
 
 
@@ -68,11 +75,18 @@ def make_caches(spec: Spec) -> list[torch.Tensor]:
     heads = topo.num_heads_per_rank
     if spec.is_mla:
         shape: tuple[int, ...] = (spec.num_blocks, spec.block_size, spec.head_dim)
+    elif spec.fused:  # per block and head, K^T [D, B] then V [B, D]
+        shape = (spec.num_blocks, heads, spec.block_size, 2 * spec.head_dim)
     elif spec.layout == "NHD":
         shape = (2, spec.num_blocks, spec.block_size, heads, spec.head_dim)
     else:
         shape = (2, spec.num_blocks, heads, spec.block_size, spec.head_dim)
     gen = torch.Generator().manual_seed(max(spec.seed, 0) * 1000 + spec.tp_rank)
+    if spec.fused:  # all layers views of one storage, as vLLM CPU allocates them
+        full = (spec.num_layers, *shape)
+        store = (torch.zeros(full, dtype=torch.bfloat16) if spec.seed < 0
+                 else torch.randn(full, generator=gen).to(torch.bfloat16))
+        return list(store.unbind(0))
     caches = []
     for _ in range(spec.num_layers):
         if spec.seed < 0:
@@ -132,6 +146,9 @@ def _child(conn: Connection) -> None:
                                      ).token
         if cmd == "read":
             agent.start_read(**args)
+            return None
+        if cmd == "notify":
+            agent.notify_done(**args[0])
             return None
         if cmd == "poll":
             sending, recving = agent.get_finished()
