@@ -142,7 +142,7 @@ class UcxWorker:
         *,
         spin_s: float = 0.0002,
         busy_poll_s: float = 0.001,
-        idle_poll_s: float = 0.05,
+        idle_poll_s: float = 0.25,
         config: dict[str, str] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
@@ -210,7 +210,7 @@ class UcxWorker:
                 async with asyncio.timeout(timeout_s):
                     await self._wakeup.wait()
             except TimeoutError:
-                pass
+                continue  # a guard against a missed wakeup, not an event: no spin after it
             self._last_event = loop.time()
 
     def stop_spinning(self) -> None:
