@@ -1,11 +1,12 @@
-"""``kvbridge bench {transfer,kernels,paged,e2e,all}``: run, show, save and plot benchmarks.
+"""``kvbridge bench {transfer,kernels,paged,e2e,vllm,all}``: run, show, save and plot benchmarks.
 
 ``kvbridge/cli.py`` hands the arguments after ``bench`` to :func:`main` (the
 benchmarks live in the source checkout, not in the wheel). Each subcommand runs
 one benchmark module's ``run()`` with a progress bar (tqdm on a terminal, plain
 lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
 result plus the machine it ran on) and ``<out>/<name>.png``. See
-``docs/benchmarks.md`` for what each number means.
+``docs/benchmarks.md`` for what each number means. ``all`` runs every one but
+``vllm``, which needs vLLM installed (``make setup-vllm``) and several minutes.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import IO, Any
 from benchmarks import bench_tables
 from benchmarks.plots import PlotUnavailable, save_plot
 
-BENCHMARKS = ("paged", "kernels", "transfer", "e2e")
+BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
 DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake"
+DEFAULT_CONNECTORS = "colocated,kvbridge,nixl"
 
 
 class ProgressBar:
@@ -105,6 +107,12 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
 
         peers = [p for p in args.peers.split(",") if p]
         return transfer_bench.run(args.quick, peers, args.pieces, args.peer_iters, progress)
+    if name == "vllm":
+        from benchmarks import vllm_bench
+
+        return vllm_bench.run(args.quick, args.lengths, args.requests,
+                              [c for c in args.connectors.split(",") if c], args.model,
+                              args.out, args.kvbridge_extra, args.cores, progress)
     from benchmarks import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
@@ -158,6 +166,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvbridge bench`` parser (one subcommand per benchmark, plus ``all``)."""
     parser = argparse.ArgumentParser(prog="kvbridge bench", description=__doc__.splitlines()[0])
@@ -170,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
              "kernels": "pack/unpack GB/s against memcpy and the three-pass fix",
              "transfer": "TransferAgent GB/s and latency beside NIXL, Mooncake, ucx_perftest",
              "e2e": "TTFT and decode tokens/s, P/D against colocated",
-             "all": "every benchmark above, one after another"}
+             "vllm": "TTFT and KV load time of P/D in vLLM: kvbridge, NixlConnector, colocated",
+             "all": "every benchmark above but vllm, one after another"}
     subs = {name: sub.add_parser(name, parents=[common], help=text)
             for name, text in helps.items()}
     for name in ("transfer", "all"):
@@ -190,6 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="prompt lengths in tokens (default 64,512,1536)")
         subs[name].add_argument("--max-tokens", type=int, default=None)
         subs[name].add_argument("--repeats", type=int, default=None)
+    vllm = subs["vllm"]
+    vllm.add_argument("--lengths", type=_int_list, default=None,
+                      help="prompt lengths in tokens (default 64,256,512,1024,1500)")
+    vllm.add_argument("--requests", type=int, default=None,
+                      help="timed requests per length (default 10, --quick 2)")
+    vllm.add_argument("--connectors", default=DEFAULT_CONNECTORS,
+                      help=f"configurations, run one at a time (default {DEFAULT_CONNECTORS})")
+    vllm.add_argument("--model", default=None,
+                      help="model folder (default: a random Llama, hidden 512, 8 layers, "
+                           "built into a temp dir)")
+    vllm.add_argument("--cores", choices=["split", "shared"], default="split",
+                      help="split (default): P and colocated on core 0, D on core 1, one "
+                           "thread each; shared: every server on every core")
+    vllm.add_argument("--kvbridge-extra", type=_json_object, default=None,
+                      help="kv_connector_extra_config of kvbridge's P and D, "
+                           "e.g. '{\"idle_wait_s\": 0.005}'")
     return parser
 
 

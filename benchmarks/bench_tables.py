@@ -104,9 +104,62 @@ def e2e_table(report: dict[str, Any]) -> str:
             f"answers equal colocated: {'yes' if report['all_match'] else 'NO'}")
 
 
+def _idle_by_role(procs: list[dict[str, Any]]) -> list[object]:
+    """One server's idle CPU: % per process role, thread count, its busiest thread."""
+    roles = {"api_server": 0.0, "engine core": 0.0, "worker": 0.0, "other": 0.0}
+    busiest = ("-", 0.0)
+    for p in procs:
+        role = "api_server" if p["process"] == "api_server" else \
+            "engine core" if p["process"].startswith("VLLM::EngineCor") else \
+            "worker" if p["process"].startswith("VLLM::Worker") else "other"
+        roles[role] += p["cpu_percent"]
+        for thread, percent in p["busiest_threads"].items():
+            if percent > busiest[1]:
+                busiest = (f"{thread} {percent:g}%", percent)
+    return [*roles.values(), sum(p["num_threads"] for p in procs), busiest[0]]
+
+
+def vllm_table(report: dict[str, Any]) -> str:
+    """TTFT per length and configuration with its parts, idle CPU per process, errors."""
+    configs = report["configs"]
+    colocated = {r["prompt_tokens"]: r["ttft_ms"] for r in configs.get("colocated", {})
+                 .get("rows", [])}
+    headers = ["prompt tokens", "config", "TTFT ms", "x colocated", "P ms", "D ms",
+               "load ms/read", "reads", "MiB/req", "KV tokens/req", "D server TTFT ms"]
+    rows = []
+    for name, result in configs.items():
+        for r in result["rows"]:
+            base = colocated.get(r["prompt_tokens"])
+            rows.append([r["prompt_tokens"], name, r["ttft_ms"],
+                         None if base is None else r["ttft_ms"] / base,
+                         r.get("prefill_ms"), r.get("decode_ms"), r.get("load_ms"),
+                         None if "num_reads" not in r else int(r["num_reads"]),
+                         r.get("mib_per_request"), r.get("loaded_tokens_per_request"),
+                         r.get("d_server_ttft_ms", r.get("colocated_server_ttft_ms"))])
+    rows.sort(key=lambda row: (row[0], list(configs).index(row[1])))
+    lines = [markdown_table(headers, rows)]
+    idle = [[name, server, *_idle_by_role(procs)] for name, result in configs.items()
+            for server, procs in result["idle_cpu"].items()]
+    if idle:
+        idle_s = report["settings"]["idle_s"]
+        lines += [f"\nidle CPU over {idle_s:g} s after the traffic (% of one core; "
+                  "threads: all processes of the server):",
+                  markdown_table(["config", "server", "API server %", "engine core %",
+                                  "worker %", "other %", "threads", "busiest thread"], idle)]
+    settings = report["settings"]
+    shape = settings["shape"]
+    lines.append(f"\nmodel {settings['model']}: {shape['layers']} layers, {shape['kv_heads']} "
+                 f"KV heads x {shape['head_dim']}, {shape['kv_bytes_per_token'] / 1024:g} KiB "
+                 f"KV per token; median of {settings['requests']} requests per length; "
+                 f"cores {settings.get('cores', 'shared')}")
+    lines += [f"\n{name} FAILED: {result['error']}" for name, result in configs.items()
+              if "error" in result]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "transfer": transfer_table, "kernels": kernels_table, "paged": paged_table,
-    "e2e": e2e_table,
+    "e2e": e2e_table, "vllm": vllm_table,
 }
 
 
@@ -118,4 +171,8 @@ def passed(name: str, report: dict[str, Any]) -> bool:
             for r in rows if r["peer"] in ("nixl", "mooncake"))
     if name == "e2e":
         return bool(report["all_match"])
+    if name == "vllm":  # kvbridge's D loaded KV for every length, without a failed read
+        ours = report["configs"].get("kvbridge")
+        return ours is None or ("error" not in ours and all(
+            r["loaded_tokens_per_request"] > 0 and not r["num_failures"] for r in ours["rows"]))
     return True

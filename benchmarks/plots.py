@@ -126,11 +126,48 @@ def plot_e2e(report: dict[str, Any], fig: Any) -> None:
     fig.suptitle(f"end to end, model {report['settings']['model']}, CPU")
 
 
+def plot_vllm(report: dict[str, Any], fig: Any) -> None:
+    """TTFT and load time against prompt length (log y), idle CPU per server."""
+    from matplotlib.ticker import FuncFormatter  # _pyplot() has imported matplotlib
+
+    configs = report["configs"]
+    colors = {"colocated": "tab:gray", "kvbridge": "tab:red", "nixl": "tab:blue"}
+    for i, (key, label) in enumerate((("ttft_ms", "TTFT ms (median, log)"),
+                                      ("load_ms", "KV load ms per read (mean, log)"))):
+        ax = fig.add_subplot(1, 3, i + 1)
+        for name, result in configs.items():
+            rows = [r for r in result["rows"] if r.get(key) is not None]
+            if rows:
+                ax.plot([r["prompt_tokens"] for r in rows], [r[key] for r in rows], "-o",
+                        label=name, color=colors.get(name))
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # not 10^2
+        ax.yaxis.set_minor_formatter(FuncFormatter(  # label 2s and 5s only
+            lambda v, _pos: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 3, 3)
+    bars = {name if server == name else f"{name} {server}": sum(p["cpu_percent"] for p in procs)
+            for name, result in configs.items() for server, procs in result["idle_cpu"].items()}
+    ax.barh(list(bars), list(bars.values()),
+            color=[colors.get(label.split()[0]) for label in bars])
+    ax.set_xlabel("idle CPU, % of one core (all processes)")
+    ax.grid(True, axis="x", alpha=0.3)
+    failed = [name for name, result in configs.items() if "error" in result]
+    settings = report["settings"]
+    fig.suptitle(f"vLLM P/D, {settings['model']}, CPU, cores {settings.get('cores', 'shared')}"
+                 + (f" (failed: {', '.join(failed)})" if failed else ""))
+
+
 PLOTTERS: dict[str, tuple[Callable[[dict[str, Any], Any], None], tuple[float, float]]] = {
     "transfer": (plot_transfer, (8.0, 5.0)),
     "kernels": (plot_kernels, (9.0, 7.0)),
     "paged": (plot_paged, (11.0, 4.5)),
     "e2e": (plot_e2e, (10.0, 4.0)),
+    "vllm": (plot_vllm, (13.0, 4.0)),
 }
 
 

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Every word after ``bench`` (options and --help too) goes to benchmarks/bench_cli.py.
     bench = sub.add_parser("bench", add_help=False, prefix_chars="\0",
-                           help="transfer | kernels | paged | e2e | all (see docs/benchmarks.md)")
+                           help="transfer | kernels | paged | e2e | vllm | all "
+                                "(see docs/benchmarks.md)")
     bench.add_argument("bench_args", nargs="*")
     bench.set_defaults(func=_cmd_bench)
     return parser
