@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,6 +67,8 @@ __all__ = ["AgentConfig", "AgentCounters", "TransferAgent", "TransferStats"]
 
 logger = logging.getLogger(__name__)
 
+_IDLE_EXPIRY_S = 1.0  # an agent holding no grants looks this often (see _expire_grants)
+
 
 @dataclass(slots=True)
 class _Running:
@@ -75,6 +77,7 @@ class _Running:
     reads: Reads
     stop: asyncio.Event
     server: ServerContext
+    grant_issued: asyncio.Event = field(default_factory=asyncio.Event)  # wakes the expiry
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +258,7 @@ class TransferAgent:
             )
             self._running = _Running(loop, worker, reads, asyncio.Event(), server_ctx)
             ready.set()
-            expiry = asyncio.create_task(self._expire_grants())
+            expiry = asyncio.create_task(self._expire_grants(self._running))
             await self._running.stop.wait()
             expiry.cancel()
             await reads.close()
@@ -265,11 +268,20 @@ class TransferAgent:
             if copier is not None:
                 copier.close()
 
-    async def _expire_grants(self) -> None:
+    async def _expire_grants(self, running: _Running) -> None:
+        # Every expire_every_s while grants are live; with none, asleep until one is
+        # issued (an idle agent does not wake for nothing), or _IDLE_EXPIRY_S for
+        # grants issued on the table directly.
         while True:
+            running.grant_issued.clear()
             self.grants.expire()
             self.grants.refresh_board()
-            await asyncio.sleep(self.config.expire_every_s)
+            if len(self.grants):
+                await asyncio.sleep(self.config.expire_every_s)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_IDLE_EXPIRY_S):
+                    await running.grant_issued.wait()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Say goodbye to peers, stop the loop thread, free UCX resources. Idempotent."""
@@ -364,7 +376,7 @@ class TransferAgent:
         running = self._running
         if running is not None and not self._closed:  # a read may wait for it: wake it now
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                running.loop.call_soon_threadsafe(grant_issued, running.server)
+                running.loop.call_soon_threadsafe(_on_grant_issued, running)
         return grant
 
     # ---------------------------------------------------------------- reading side
@@ -516,6 +528,12 @@ class TransferAgent:
         """Return and forget per-read statistics of reads that ended."""
         running = self._running
         return running.reads.take_stats() if running is not None else []
+
+
+def _on_grant_issued(running: _Running) -> None:
+    """On the agent's loop: wake reads waiting for a grant, and the expiry."""
+    grant_issued(running.server)
+    running.grant_issued.set()
 
 
 def _ports(request_id: str, port: int | Sequence[int]) -> int | tuple[int, ...]:

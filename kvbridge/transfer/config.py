@@ -47,7 +47,8 @@ class AgentConfig:
         max_frame_nbytes: largest control frame accepted.
         lease_s: lease asked for when renewing a grant during a long read.
         renew_every_s: how often a long read renews its grant.
-        expire_every_s: how often the server expires grants.
+        expire_every_s: how often the server expires grants while it holds any
+            (holding none, it sleeps until one is issued).
         grant_wait_s: how long the server waits for a grant it has not issued yet
             (the engine returns the token to D before its workers issue it), before
             rejecting a read or dropping a done report naming it.

@@ -142,7 +142,7 @@ class UcxWorker:
         *,
         spin_s: float = 0.0002,
         busy_poll_s: float = 0.001,
-        idle_poll_s: float = 0.25,
+        idle_poll_s: float = 1.0,
         config: dict[str, str] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()

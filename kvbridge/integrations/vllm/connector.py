@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvbridge.connector.outputs import TransferStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import engine_facts
 from kvbridge.integrations.vllm.messages import StepMetadata
@@ -98,7 +99,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker_side().start_load_kv(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish between steps, before the request is scheduled
+        return  # synchronous loads ended in start_load_kv; others before their step
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -120,7 +121,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if self._worker is None:  # vLLM also asks the scheduler's connector
             return None
         stats = self._worker.take_stats()
-        return None if stats is None or stats.is_empty() else KVBridgeStats.of(stats)
+        num_sync_loads = self._worker.take_num_sync_loads()
+        if (stats is None or stats.is_empty()) and not num_sync_loads:
+            return None
+        return KVBridgeStats.of(stats or TransferStats(), num_sync_loads)
 
     def shutdown(self) -> None:
         if self._worker is not None:

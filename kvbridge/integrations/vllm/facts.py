@@ -49,6 +49,8 @@ class EngineFacts:
         num_layers: attention layers of the whole model.
         is_mla: the model keeps one MLA latent per token.
         model_id: what P and D must share (see ``VllmSettings.model_id``).
+        kv_bytes_per_token: KV bytes one worker holds per token (its layers
+            and heads), an estimate from the cache dtype.
     """
 
     engine_id: str
@@ -61,6 +63,7 @@ class EngineFacts:
     num_layers: int
     is_mla: bool
     model_id: str
+    kv_bytes_per_token: int = 0
 
     def topology(self, *, fused_kv: bool) -> EngineTopology:
         """The engine's topology (``fused_kv``: caches in vLLM's LBHNC layout)."""
@@ -84,14 +87,29 @@ def engine_facts(vllm_config: Any, model_id: str | None = None) -> EngineFacts:
     if role is None:
         raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {kv_config.kv_role!r}")
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    is_mla = bool(model.use_mla)
+    num_kv_heads, head_size = model.get_total_num_kv_heads(), model.get_head_size()
+    num_layers = model.get_total_num_hidden_layers()
+    heads_per_worker = 1 if is_mla else max(1, num_kv_heads // tp_size)
+    planes = 1 if is_mla else 2
     return EngineFacts(
-        engine_id=str(kv_config.engine_id), role=role,
-        tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=model.get_total_num_kv_heads(), head_size=model.get_head_size(),
-        num_layers=model.get_total_num_hidden_layers(), is_mla=bool(model.use_mla),
+        engine_id=str(kv_config.engine_id), role=role, tp_size=tp_size, pp_size=pp_size,
+        block_size=vllm_config.cache_config.block_size, num_kv_heads=num_kv_heads,
+        head_size=head_size, num_layers=num_layers, is_mla=is_mla,
         model_id=model_id or _model_identity(model),
+        kv_bytes_per_token=(-(-num_layers // pp_size) * planes * heads_per_worker * head_size
+                            * _cache_itemsize(vllm_config)),
     )
+
+
+def _cache_itemsize(vllm_config: Any) -> int:
+    """Bytes per KV cache element: the model's dtype unless the cache is quantized."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype == "auto":
+        dtype = vllm_config.model_config.dtype
+        return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
+    return 1 if "8" in cache_dtype else 2  # fp8 variants, int8; else 16-bit
 
 
 def _model_identity(model: Any) -> str:

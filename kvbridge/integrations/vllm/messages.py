@@ -29,10 +29,13 @@ class StepMetadata(KVConnectorMetadata):
         idle_wait_s: the step computes nothing but transfers are under way:
             each worker may wait this long for one of them to end before it
             reports (0: report at once).
+        sync_loads: requests among ``work``'s reads that this step's forward
+            computes on: each worker finishes their reads before the forward.
     """
 
     work: ConnectorMetadata
     idle_wait_s: float = 0.0
+    sync_loads: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

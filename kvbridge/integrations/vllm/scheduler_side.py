@@ -14,6 +14,13 @@ kvbridge's own engine:
 - P's workers listen on ports of their own choosing (zero config): the
   scheduler learns them from vLLM's handshake (``set_worker_addresses``) and
   announces them in every ``kv_transfer_params`` it returns.
+- Small loads are synchronous (``VllmSettings.sync_load_max_bytes``): vLLM
+  schedules the request in the step that allocates it and the workers finish
+  the read before that step's forward. vLLM must then not hear of the request
+  as received (it is running, not waiting for KV): its id is taken out of the
+  workers' ``finished_recving`` after kvbridge's own bookkeeping saw it. A
+  failed synchronous load reports its blocks in the same step, so vLLM drops
+  the token computed on them and recomputes or fails as its policy says.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class VllmSchedulerSide:
             settings.base_port, facts.block_size, lease_s=settings.lease_s,
         )
         self._received_here: set[str] = set()  # aborted before any worker read them
+        self._sync: set[str] = set()  # loads made synchronously, until reported received
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -104,8 +112,19 @@ class VllmSchedulerSide:
     # ---------------------------------------------------------------- loading (D)
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.get_num_new_matched_tokens(_RequestView.of(request),
-                                                          num_computed_tokens)
+        """``(tokens to load, load asynchronously)``; small loads are synchronous."""
+        num_tokens, is_async = self._scheduler.get_num_new_matched_tokens(
+            _RequestView.of(request), num_computed_tokens)
+        if not is_async:
+            return num_tokens, False
+        block_size = self.facts.block_size
+        num_blocks = -(-(num_computed_tokens + num_tokens) // block_size) - (
+            num_computed_tokens // block_size)
+        nbytes = num_blocks * block_size * self.facts.kv_bytes_per_token
+        if nbytes > self.settings.sync_load_max_bytes:
+            return num_tokens, True
+        self._sync.add(request.request_id)
+        return num_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: BlockIds,
                                  num_external_tokens: int) -> None:
@@ -123,7 +142,9 @@ class VllmSchedulerSide:
         pending = self._scheduler.has_pending_work()
         work = self._scheduler.build_connector_meta()
         idle = num_scheduled_tokens == 0 and pending and work.is_empty()
-        return StepMetadata(work=work, idle_wait_s=self.settings.idle_wait_s if idle else 0.0)
+        sync = frozenset(r.request_id for r in work.reqs_to_recv if r.request_id in self._sync)
+        return StepMetadata(work=work, idle_wait_s=self.settings.idle_wait_s if idle else 0.0,
+                            sync_loads=sync)
 
     def update_connector_output(self, output: VllmConnectorOutput) -> None:
         """Take in the workers' aggregated output before vLLM acts on it."""
@@ -138,6 +159,10 @@ class VllmSchedulerSide:
         self._scheduler.take_finished_recving()
         self._scheduler.take_finished_sending()
         self._scheduler.take_invalid_block_ids()
+        received_sync = self._sync & (output.finished_recving or set())
+        if received_sync:  # running requests: vLLM must not hear of them
+            self._sync -= received_sync
+            output.finished_recving = (output.finished_recving or set()) - received_sync
         if self._received_here:
             output.finished_recving = (output.finished_recving or set()) | self._received_here
             self._received_here = set()
@@ -151,6 +176,8 @@ class VllmSchedulerSide:
         aborted = request.status not in _FINISHED_OK
         delay, params = self._scheduler.request_finished(
             _RequestView.of(request), list(block_ids), aborted=aborted)
+        if load != "dispatched":
+            self._sync.discard(request_id)  # no worker will report it
         if load is not None:
             # a load's blocks are vLLM's to hold until the request is reported received
             if load == "allocated":

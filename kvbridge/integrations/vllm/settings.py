@@ -52,6 +52,13 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         idle_wait_s: on a step with nothing to compute while transfers are in
             flight, a worker waits up to this long for one to end instead of
             letting the engine spin (new requests wait at most this long).
+        sync_load_max_bytes: D loads at most this many bytes per worker
+            synchronously: in the step that schedules the request, before its
+            forward (vLLM's ``load_kv_async=False``), so the first token comes
+            two engine steps sooner; that step's forward waits for the read
+            (about a millisecond per MiB on one host). Larger loads run
+            asynchronously while other requests keep stepping. 0: every load
+            asynchronous.
         model_id: identity P and D must share (default: the model's name
             and its architecture's sizes). Set it when P and D load the same
             weights from differently named paths.
@@ -65,6 +72,7 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lease_s: Seconds = 30.0
     host_buffer: bool = False
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.02
+    sync_load_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 20
     model_id: str | None = None
     agent: dict[str, Any] = {}
 

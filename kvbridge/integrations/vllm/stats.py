@@ -10,6 +10,7 @@ API server, where :class:`KVBridgePromMetrics` counts it on ``/metrics``::
     vllm:kvbridge_transfer_failures_total    reads that failed (their blocks are recomputed)
     vllm:kvbridge_transfer_bytes_total       KV bytes received
     vllm:kvbridge_local_copies_total         completed reads copied out of P's process (same host)
+    vllm:kvbridge_sync_loads_total           reads made before the forward of their request's step
     vllm:kvbridge_transfer_seconds           histogram of read durations
 
 Its ``data`` holds only numbers and a list of floats: vLLM ships it with msgpack.
@@ -39,11 +40,17 @@ class KVBridgeStats(KVConnectorStats):
     """vLLM's stats container holding kvbridge's ``TransferStats`` fields in ``data``."""
 
     @classmethod
-    def of(cls, stats: TransferStats) -> KVBridgeStats:
-        """The vLLM form of one worker's ``TransferStats``."""
+    def of(cls, stats: TransferStats, num_sync_loads: int = 0) -> KVBridgeStats:
+        """The vLLM form of one worker's ``TransferStats`` (and its synchronous loads)."""
         data: dict[str, Any] = {name: getattr(stats, name) for name in _COUNTS}
         data["durations_s"] = list(stats.durations_s)
+        data["num_sync_loads"] = num_sync_loads
         return cls(data=data)
+
+    @property
+    def num_sync_loads(self) -> int:
+        """Reads made synchronously (``VllmSettings.sync_load_max_bytes``)."""
+        return int(self.data.get("num_sync_loads", 0))
 
     def to_transfer_stats(self) -> TransferStats:
         """Back to kvbridge's form (missing keys count as zero)."""
@@ -59,7 +66,7 @@ class KVBridgeStats(KVConnectorStats):
         if not isinstance(other, KVBridgeStats):
             raise TypeError(f"cannot aggregate KVBridgeStats with {type(other).__name__}")
         merged = self.to_transfer_stats().aggregate(other.to_transfer_stats())
-        return KVBridgeStats.of(merged)
+        return KVBridgeStats.of(merged, self.num_sync_loads + other.num_sync_loads)
 
     def reduce(self) -> dict[str, int | float]:
         """What vLLM's periodic log line shows."""
@@ -71,13 +78,14 @@ class KVBridgeStats(KVConnectorStats):
             "failures": stats.num_failures,
             "MiB": round(stats.nbytes / (1 << 20), 3),
             "local_copies": stats.num_local_copies,
+            "sync_loads": self.num_sync_loads,
             "avg_ms": round(1e3 * seconds / len(durations), 3) if durations else 0.0,
             "p50_ms": round(1e3 * durations[len(durations) // 2], 3) if durations else 0.0,
             "GB/s": round(stats.nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
         }
 
     def is_empty(self) -> bool:
-        return self.to_transfer_stats().is_empty()
+        return self.to_transfer_stats().is_empty() and not self.num_sync_loads
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -97,6 +105,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             "nbytes": ("vllm:kvbridge_transfer_bytes", "KV bytes received"),
             "num_local_copies": ("vllm:kvbridge_local_copies",
                                  "completed KV reads copied out of a process on this host"),
+            "num_sync_loads": ("vllm:kvbridge_sync_loads",
+                               "KV reads made before the forward of their request's step"),
         }
         self._counters = {
             key: create_metric_per_engine(

@@ -14,17 +14,25 @@ On a step that computes nothing while transfers are under way, ``get_finished``
 first waits (at most ``StepMetadata.idle_wait_s``) for the transfer agent to
 say something ended, so an engine waiting for KV neither spins nor adds a
 polling delay to the transfer.
+
+Synchronous loads (``StepMetadata.sync_loads``, small reads the step's forward
+computes on): ``start_load_kv`` returns only when they have ended, well or
+not. What the agent reported meanwhile is kept and reported by this step's
+``get_finished``, failed blocks included, so vLLM drops a token computed on
+blocks that did not arrive. A read always ends: the agent's deadlines
+(connect, reply, chunk, ``read_timeout_s``) fail it otherwise.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 
 import torch
 
-from kvbridge.connector.outputs import TransferStats
+from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import EngineFacts, cache_topology, unique_layer_caches
@@ -34,6 +42,8 @@ from kvbridge.integrations.vllm.settings import VllmSettings
 __all__ = ["VllmWorkerSide"]
 
 logger = logging.getLogger(__name__)
+
+_SYNC_WARN_EVERY_S = 5.0
 
 
 class VllmWorkerSide:
@@ -52,8 +62,11 @@ class VllmWorkerSide:
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self._worker: ConnectorWorker | None = None
         self._news = threading.Event()  # set from the agent's thread: something ended
+        self._sending: set[str] = set()  # reported by the agent, not yet to vLLM
+        self._recving: set[str] = set()
         self._invalid: set[int] = set()
         self._stats: TransferStats | None = None
+        self._num_sync_loads = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Start this worker's transfer agent on vLLM's caches.
@@ -92,8 +105,37 @@ class VllmWorkerSide:
         return WorkerAddress(global_rank=meta.global_rank, port=meta.port)
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
-        """Start the step's reads, notices and releases (returns at once)."""
-        self._require().start_load_kv(metadata.work)
+        """Start the step's reads, notices and releases; finish its synchronous loads."""
+        worker = self._require()
+        worker.start_load_kv(metadata.work)
+        if metadata.sync_loads:
+            self._finish_sync_loads(worker, set(metadata.sync_loads))
+
+    def _finish_sync_loads(self, worker: ConnectorWorker, waiting: set[str]) -> None:
+        """Block until every read in ``waiting`` has ended (the agent's deadlines bound it)."""
+        self._num_sync_loads += len(waiting)
+        started = time.monotonic()
+        warn_at = started + _SYNC_WARN_EVERY_S
+        while True:
+            self._news.clear()
+            self._collect(worker.get_output())
+            waiting -= self._recving
+            if not waiting:
+                return
+            self._news.wait(_SYNC_WARN_EVERY_S)
+            if time.monotonic() >= warn_at:
+                logger.warning("synchronous loads of %s still running after %.0fs (the "
+                               "forward waits for them)", sorted(waiting),
+                               time.monotonic() - started)
+                warn_at += _SYNC_WARN_EVERY_S
+
+    def _collect(self, output: KVConnectorOutput) -> None:
+        self._sending |= output.finished_sending or set()
+        self._recving |= output.finished_recving or set()
+        self._invalid |= output.invalid_block_ids
+        stats = output.kv_connector_stats
+        if isinstance(stats, TransferStats):
+            self._stats = stats if self._stats is None else self._stats.aggregate(stats)
 
     def wait_for_save(self) -> None:
         """Hold the step's finished prefills for readers."""
@@ -112,12 +154,10 @@ class VllmWorkerSide:
         if metadata is not None and metadata.idle_wait_s > 0:
             self._news.wait(metadata.idle_wait_s)
         self._news.clear()
-        output = worker.get_output()
-        self._invalid |= output.invalid_block_ids
-        stats = output.kv_connector_stats
-        if isinstance(stats, TransferStats):
-            self._stats = stats if self._stats is None else self._stats.aggregate(stats)
-        return output.finished_sending, output.finished_recving
+        self._collect(worker.get_output())
+        sending, recving = self._sending, self._recving
+        self._sending, self._recving = set(), set()
+        return sending or None, recving or None
 
     def take_invalid_block_ids(self) -> set[int]:
         """Blocks whose load failed, reported no later than their request's recving."""
@@ -128,6 +168,11 @@ class VllmWorkerSide:
         """Stats of the reads that ended since the last call, or None."""
         stats, self._stats = self._stats, None
         return stats
+
+    def take_num_sync_loads(self) -> int:
+        """Synchronous loads made since the last call."""
+        num, self._num_sync_loads = self._num_sync_loads, 0
+        return num
 
     def shutdown(self) -> None:
         """Stop the transfer agent. Idempotent."""

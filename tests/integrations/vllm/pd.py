@@ -35,6 +35,10 @@ NUM_NEW_TOKENS = 12
 TRANSFERS = "vllm:kvbridge_transfers_total"
 FAILURES = "vllm:kvbridge_transfer_failures_total"
 BYTES = "vllm:kvbridge_transfer_bytes_total"
+SYNC_LOADS = "vllm:kvbridge_sync_loads_total"
+
+# per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
+BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2
 
 #: The zero-config connector setting of the issue, as a user types it.
 ZERO_CONFIG = {
@@ -77,12 +81,13 @@ class PDResult(NamedTuple):
     num_failures: float
     nbytes: float
     external_hits: float
+    num_sync_loads: float
 
 
 def counters(url: str) -> dict[str, float]:
     """D's transfer counters now (0 for those not exposed yet)."""
     now = metrics(url)
-    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS)
+    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS, SYNC_LOADS)
     return {name: now.get(name, 0.0) for name in names}
 
 
@@ -120,6 +125,7 @@ def pd_complete(
         after[FAILURES] - before[FAILURES],
         after[BYTES] - before[BYTES],
         after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS],
+        after[SYNC_LOADS] - before[SYNC_LOADS],
     )
 
 

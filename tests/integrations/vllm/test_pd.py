@@ -5,6 +5,11 @@ reference answers, P and D with the zero config a user types. Each P/D answer
 must equal the colocated one and D must have loaded the prompt's KV through the
 connector (kvbridge's transfer counters and vLLM's external prefix-cache hits),
 and P must give its blocks back once D has read them.
+
+With the zero config every load of this tiny model is small enough to be
+synchronous (read before the forward of the step that schedules it); the
+eight-at-once test runs a D whose threshold makes its larger loads
+asynchronous, so both kinds run side by side in the same steps.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import pytest
 
 from tests.integrations.vllm.client import KV_CACHE_USAGE, complete, poll_metrics
 from tests.integrations.vllm.pd import (
+    BLOCK_NBYTES,
     BLOCK_SIZE,
     BYTES,
     NUM_NEW_TOKENS,
+    SYNC_LOADS,
     TRANSFERS,
     ZERO_CONFIG,
     counters,
+    kv_config,
     kvbridge_proxy,
     pd_complete,
     prefill,
@@ -34,8 +42,7 @@ from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServ
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-# per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
-BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2
+SYNC_BLOCKS = 4  # the mixed D loads up to this many blocks synchronously
 
 
 @pytest.fixture
@@ -110,7 +117,7 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     assert params["remote_block_size"] == BLOCK_SIZE
     # D loaded everything but the last prompt token, whose logits it computes itself
     num_blocks = -(-(num_prompt_tokens - 1) // BLOCK_SIZE)
-    assert (result.num_transfers, result.num_failures) == (1, 0)
+    assert (result.num_transfers, result.num_failures, result.num_sync_loads) == (1, 0, 1)
     assert result.external_hits == num_prompt_tokens - 1
     assert result.nbytes == num_blocks * BLOCK_NBYTES
     # P gives its blocks back once D has read them; D's are free once answered
@@ -147,43 +154,6 @@ def test_d_reads_only_what_its_prefix_cache_lacks(
     assert result.completion.token_ids == expected[2]
     assert (result.num_transfers, result.nbytes, result.external_hits) == (0, 0, 0)
     wait_usage(p.base_url)  # D said it will not read: P lets go at once, not at the lease
-
-
-def test_eight_requests_at_once_through_kvbridge_proxy(
-    vllm_servers: ServersForTest,
-    ref_spec: ServerSpec,
-    p_spec: ServerSpec,
-    d_spec: ServerSpec,
-    tmp_path: Path,
-) -> None:
-    prompts = [
-        prompt_ids(n, seed=10 + i) for i, n in enumerate([7, 90, 130, 256, 300, 511, 800, 1200])
-    ]
-    expected = reference(vllm_servers, ref_spec, prompts)
-    p, d = pd_pair(vllm_servers, p_spec, d_spec)
-    before = counters(d.base_url)
-    answers: dict[int, list[int] | BaseException] = {}
-
-    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
-
-        def ask(index: int) -> None:
-            try:
-                answers[index] = complete(
-                    proxy, prompts[index], NUM_NEW_TOKENS, model=str(p.spec.model)
-                ).token_ids
-            except BaseException as exc:  # reported below
-                answers[index] = exc
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-    assert answers == dict(enumerate(expected))
-    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
-    assert after[TRANSFERS] == before[TRANSFERS] + 8
-    wait_usage(p.base_url)
-    wait_usage(d.base_url)
 
 
 def test_requests_shaped_like_vllms_toy_proxy(
@@ -271,3 +241,46 @@ def test_unread_prefill_is_held_until_its_lease_ends(
     prefill(p.base_url, prompt_ids(700, seed=6))  # nobody ever reads it
     poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)
     wait_usage(p.base_url, timeout_s=15)
+
+
+def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    tiny_llama: Path,
+    tmp_path: Path,
+) -> None:
+    lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
+    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
+    num_sync = sum(1 for n in lengths if -(-(n - 1) // BLOCK_SIZE) <= SYNC_BLOCKS)
+    assert 0 < num_sync < len(lengths)
+    expected = reference(vllm_servers, ref_spec, prompts)
+    d_mixed = ServerSpec(
+        tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE, instance="d-mixed",
+        kv_transfer_config=kv_config(sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES),
+    )
+    p, d = pd_pair(vllm_servers, p_spec, d_mixed)
+    before = counters(d.base_url)
+    answers: dict[int, list[int] | BaseException] = {}
+
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+
+        def ask(index: int) -> None:
+            try:
+                answers[index] = complete(
+                    proxy, prompts[index], NUM_NEW_TOKENS, model=str(p.spec.model)
+                ).token_ids
+            except BaseException as exc:  # reported below
+                answers[index] = exc
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+    assert answers == dict(enumerate(expected))
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
+    assert after[TRANSFERS] == before[TRANSFERS] + 8
+    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)

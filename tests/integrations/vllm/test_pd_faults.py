@@ -16,9 +16,11 @@ import pytest
 
 from tests.integrations.vllm.client import complete
 from tests.integrations.vllm.pd import (
+    BLOCK_NBYTES,
     BLOCK_SIZE,
     FAILURES,
     NUM_NEW_TOKENS,
+    SYNC_LOADS,
     TRANSFERS,
     ZERO_CONFIG,
     counters,
@@ -54,25 +56,30 @@ def assert_request_fails(d: VllmServer, prompt: list[int], params: dict[str, obj
 
 def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Path) -> None:
     p = vllm_servers.private(spec(tiny_llama, json.dumps(ZERO_CONFIG), "doomed"))
-    d_recompute = vllm_servers.private(spec(tiny_llama, kv_config("recompute"), "recompute"))
+    # loads of up to 4 blocks synchronous, larger ones asynchronous: both kinds fail
+    d_recompute = vllm_servers.private(spec(
+        tiny_llama, kv_config("recompute", sync_load_max_bytes=4 * BLOCK_NBYTES), "recompute"))
     d_fail = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "d"))
-    prompt = prompt_ids(650, seed=30)
-    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids  # colocated, on P
-    params = prefill(p.base_url, prompt)
+    prompts = [prompt_ids(300, seed=29), prompt_ids(650, seed=30)]  # 3 and 6 blocks
+    expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
+    params = [prefill(p.base_url, prompt) for prompt in prompts]
     p.stop()
 
     before = counters(d_recompute.base_url)
-    done = complete(d_recompute.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
-    assert done.token_ids == expected
+    for prompt, want, with_params in zip(prompts, expected, params, strict=True):
+        done = complete(d_recompute.base_url, prompt, NUM_NEW_TOKENS,
+                        kv_transfer_params=with_params)
+        assert done.token_ids == want
     after = poll_metrics(d_recompute.base_url,
-                         lambda m: m.get(FAILURES, 0) > before[FAILURES])
+                         lambda m: m.get(FAILURES, 0) >= before[FAILURES] + 2)
     assert after[TRANSFERS] == before[TRANSFERS]  # recomputed, not loaded
+    assert after[SYNC_LOADS] == before[SYNC_LOADS] + 1  # the small one
     wait_usage(d_recompute.base_url)
 
-    assert_request_fails(d_fail, prompt, params)
+    assert_request_fails(d_fail, prompts[1], params[1])  # synchronous with the zero config
     wait_usage(d_fail.base_url)
     # the failed D still serves: a request without params answers as colocated
-    assert complete(d_fail.base_url, prompt, NUM_NEW_TOKENS).token_ids == expected
+    assert complete(d_fail.base_url, prompts[1], NUM_NEW_TOKENS).token_ids == expected[1]
 
 
 def test_a_peer_without_the_secret_is_refused(

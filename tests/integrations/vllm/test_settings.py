@@ -38,6 +38,8 @@ def test_multi_host_settings(tmp_path: Path) -> None:
         ({"base_port": 80}, "base_port"),
         ({"lease_s": 0}, "lease_s"),
         ({"idle_wait_s": 5}, "idle_wait_s"),
+        ({"sync_load_max_bytes": -1}, "sync_load_max_bytes"),
+        ({"sync_load_max_bytes": 1.5}, "sync_load_max_bytes"),
         ({"host_buffer": "yes"}, "host_buffer"),
         ({"agent": {"no_such_option": 1}}, "no_such_option"),
         ({"agent": {"read_timeout_s": -1}}, "read_timeout_s"),
