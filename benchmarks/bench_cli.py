@@ -1,6 +1,6 @@
 """``kvbridge bench {transfer,kernels,paged,e2e,vllm,all}``: run, show, save and plot benchmarks.
 
-``kvbridge/cli.py`` hands the arguments after ``bench`` to :func:`main` (the
+``kvbridge/cli/bench.py`` hands the arguments after ``bench`` to :func:`main` (the
 benchmarks live in the source checkout, not in the wheel). Each subcommand runs
 one benchmark module's ``run()`` with a progress bar (tqdm on a terminal, plain
 lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
@@ -26,7 +26,7 @@ from benchmarks.plots import PlotUnavailable, save_plot
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
 DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake"
-DEFAULT_CONNECTORS = "colocated,kvbridge,nixl"
+DEFAULT_CONNECTORS = "colocated,kvbridge,kvbridge-classic,nixl"
 
 
 class ProgressBar:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvbridge.demo_procs import reserve_ports
+from kvbridge.cli.demo.procs import reserve_ports
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import SamplingParams

@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 
-from kvbridge.demo_procs import reserve_ports
+from kvbridge.cli.demo.procs import reserve_ports
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import SamplingParams

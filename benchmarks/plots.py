@@ -131,7 +131,8 @@ def plot_vllm(report: dict[str, Any], fig: Any) -> None:
     from matplotlib.ticker import FuncFormatter  # _pyplot() has imported matplotlib
 
     configs = report["configs"]
-    colors = {"colocated": "tab:gray", "kvbridge": "tab:red", "nixl": "tab:blue"}
+    colors = {"colocated": "tab:gray", "kvbridge": "tab:red", "kvbridge-classic": "tab:orange",
+              "nixl": "tab:blue"}
     for i, (key, label) in enumerate((("ttft_ms", "TTFT ms (median, log)"),
                                       ("load_ms", "KV load ms per read (mean, log)"))):
         ax = fig.add_subplot(1, 3, i + 1)

@@ -1,7 +1,7 @@
 """Soak: mixed P/D load with client aborts and one prefill crash; every answer accounted for.
 
 ``python -m benchmarks.soak --duration 300`` starts on loopback, as real
-processes (``python -m kvbridge.serve_cli``, the code of ``kvbridge serve|proxy``):
+processes (``python -m kvbridge.cli``, the code of ``kvbridge serve|proxy``):
 
     P  serve --role prefill   block 16, NHD, short lease   (killed and restarted once)
     D  serve --role decode    block 32, HND
@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from kvbridge.demo_procs import reserve_ports
+from kvbridge.cli.demo.procs import reserve_ports
 
 _READY = re.compile(r"kvbridge (serve|proxy) ready on (http://\S+)$")
 _START_TIMEOUT_S = 180.0
@@ -75,7 +75,7 @@ class Proc:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_LOG_LEVEL": "fatal"}
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.serve_cli", *self.argv], stdout=subprocess.PIPE,
+                [sys.executable, "-m", "kvbridge.cli", *self.argv], stdout=subprocess.PIPE,
                 stderr=log, text=True, env=env, start_new_session=True)
 
     def wait_ready(self) -> None:

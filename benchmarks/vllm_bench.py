@@ -8,12 +8,23 @@ sends the same token-id prompts, and stops them:
 - ``colocated``: one server, no connector; TTFT = first streamed token.
 - ``kvbridge`` / ``nixl``: a P and a D with ``KVBridgeConnector`` / vLLM's
   ``NixlConnector`` (``kv_buffer_device`` cpu, UCX over tcp/sm), stock settings.
+- ``kvbridge-classic``: kvbridge's servers driven with the classic flow below
+  (the one NIXL gets), to show what the connector alone does.
 
-One P/D request, as the client (a proxy) sees it::
+One P/D request, as the client (a proxy) sees it. Classic flow (vLLM's toy
+proxy; ``nixl``, ``kvbridge-classic``)::
 
     t0 POST P (max_tokens 1, do_remote_decode) ── t1 P answers with kv_transfer_params
        POST D (same prompt, those params, stream) ── D loads the KV ── t2 first token
     TTFT = t2 - t0      P = t1 - t0      D = t2 - t1
+
+First-token flow (``kvbridge``: what ``kvbridge proxy`` does by default,
+``kvbridge/serving/first_token.py``): P's token is the client's first token,
+and D continues after it::
+
+    t0 POST P (max_tokens 1, do_remote_decode, return_token_ids) ── t1 P answers: token 1
+       POST D (prompt + token 1, those params, stream) ── D loads the KV ── t2 token 2
+    TTFT = t1 - t0      P = t1 - t0      D = t2 - t1 (D's first token: the answer's second)
 
 Load time is the connector's own: kvbridge's per-read duration
 (``vllm:kvbridge_transfer_seconds``) and NIXL's per-transfer duration
@@ -58,7 +69,8 @@ from benchmarks.vllm_servers import (
     start_all,
     total,
 )
-from kvbridge.demo_procs import reserve_ports
+from kvbridge.cli.demo.procs import reserve_ports
+from kvbridge.serving import first_token
 
 Progress = Callable[[str, int, int], None]
 
@@ -69,6 +81,7 @@ CONNECTORS: dict[str, dict[str, Any] | None] = {
                  "kv_role": "kv_both"},
     "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
 }
+CONNECTORS["kvbridge-classic"] = CONNECTORS["kvbridge"]
 # Per connector, D's metric names: (read-time histogram, bytes, failures).
 _LOAD_METRICS = {
     "kvbridge": ("vllm:kvbridge_transfer_seconds", "vllm:kvbridge_transfer_bytes_total",
@@ -76,6 +89,7 @@ _LOAD_METRICS = {
     "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum",
              "vllm:nixl_num_failed_transfers_total"),
 }
+_LOAD_METRICS["kvbridge-classic"] = _LOAD_METRICS["kvbridge"]
 _SERVER_TTFT = "vllm:time_to_first_token_seconds"  # from arrival at the server
 _QUEUE = "vllm:request_queue_time_seconds"  # waiting, incl. waiting for remote KV
 _LOADED_TOKENS = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
@@ -175,6 +189,27 @@ def pd_request(client: httpx.Client, servers: list[VllmServer],
     return {"ttft_s": t2 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
+def pd_first_token_request(client: httpx.Client, servers: list[VllmServer],
+                           prompt: list[int]) -> dict[str, float]:
+    """One P/D request in the first-token flow (module docstring), as ``kvbridge proxy``."""
+    prefill, decode = servers
+    body = _body(prompt, D_MAX_TOKENS + 1)
+    if not first_token.plan(body):
+        raise BenchError(f"the first-token flow does not apply to {body}")
+    t0 = time.perf_counter()
+    resp = client.post(f"{prefill.url}/v1/completions",
+                       json=first_token.prefill_body(body, first_token=True))
+    t1 = time.perf_counter()
+    if resp.is_error:
+        raise BenchError(f"{resp.status_code} from P: {resp.text[:2000]}")
+    answer = resp.json()
+    first, params = first_token.take(answer), answer.get("kv_transfer_params")
+    if first is None or not params:
+        raise BenchError(f"P's answer lacks token ids or kv_transfer_params: {resp.text[:2000]}")
+    t2 = first_token_s(client, decode.url, first_token.decode_body(body, first, params))
+    return {"ttft_s": t1 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
 def _mean_ms(before: list[Sample], after: list[Sample],
              histogram: str) -> tuple[float | None, float]:
     """Mean of a histogram's new observations in ms, and how many there were."""
@@ -221,7 +256,7 @@ def _servers(name: str, model: Path, log_dir: Path, extra: dict[str, Any],
         [port] = reserve_ports([1])
         return [VllmServer("colocated", model, port, log_dir / "colocated.log",
                            **_core(split, 0))]
-    if name == "kvbridge" and extra:
+    if name.startswith("kvbridge") and extra:
         config = {**config, "kv_connector_extra_config": extra}
     ports = reserve_ports([1, 1, 1, 1])
     servers = []
@@ -245,7 +280,8 @@ def run_config(name: str, model: Path, plan: dict[str, Any], log_dir: Path,
     the result with the rows measured before it.
     """
     servers = _servers(name, model, log_dir, plan["kvbridge_extra"], plan["cores"] == "split")
-    request = colocated_request if name == "colocated" else pd_request
+    request = {"colocated": colocated_request,
+               "kvbridge": pd_first_token_request}.get(name, pd_request)
     vocab = plan["vocab_size"]
     result: dict[str, Any] = {"rows": [], "idle_cpu": {},
                               "logs": [str(s.log_path) for s in servers]}
@@ -299,7 +335,7 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
         ValueError: an unknown connector name or ``cores`` value, "split" on
             fewer than 2 cores, or a ``model`` that is not a model folder.
     """
-    connectors = connectors or ["colocated", "kvbridge", "nixl"]
+    connectors = connectors or ["colocated", "kvbridge", "kvbridge-classic", "nixl"]
     unknown = set(connectors) - set(CONNECTORS)
     if unknown:
         raise ValueError(f"unknown connectors {sorted(unknown)}; known: {sorted(CONNECTORS)}")

@@ -3,14 +3,14 @@
 A port found free by binding port 0 lies in the kernel's ephemeral range, where
 any outgoing connection (UCX's, an HTTP client's) may take it before the child
 that was given it binds it ("cannot listen on port ...: Device is busy").
-``kvbridge.demo_procs.reserve_ports`` looks below that range instead; this
+``kvbridge.cli.demo.procs.reserve_ports`` looks below that range instead; this
 module also remembers what it handed out in this test process, so two servers
 of one test never get the same port.
 """
 
 from __future__ import annotations
 
-from kvbridge.demo_procs import reserve_ports
+from kvbridge.cli.demo.procs import reserve_ports
 
 _handed_out: set[int] = set()  # this pytest process's ports, for its whole run
 

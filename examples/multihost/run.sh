@@ -76,7 +76,7 @@ declare -A PIDS
 in_host() {  # in_host NAMESPACE LOGNAME ARGS... : kvbridge in that host, in the background
     local ns=$1 name=$2
     shift 2
-    ip netns exec "$ns" "$PYTHON" -m kvbridge.serve_cli "$@" >"$LOG_DIR/$name.log" 2>&1 &
+    ip netns exec "$ns" "$PYTHON" -m kvbridge.cli "$@" >"$LOG_DIR/$name.log" 2>&1 &
     PIDS[$name]=$!
     echo "started $name in $ns: kvbridge $*"
 }

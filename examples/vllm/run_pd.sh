@@ -174,7 +174,7 @@ wait_ready() {  # wait_ready NAME PID URL: until URL answers 200, READY_TIMEOUT_
 STARTED_AT=$SECONDS
 start_vllm prefill "$P_PORT" "$P_TP"
 start_vllm decode "$D_PORT" "$D_TP"
-setsid "$PYTHON" -m kvbridge.serve_cli proxy --prefill "$P_URL" --decode "$D_URL" \
+setsid "$PYTHON" -m kvbridge.cli proxy --prefill "$P_URL" --decode "$D_URL" \
     --host 127.0.0.1 --port "$PROXY_PORT" </dev/null >"$WORK_DIR/proxy.log" 2>&1 &
 PIDS+=("$!")
 echo "started proxy (pid $!): kvbridge proxy --prefill $P_URL --decode $D_URL --port $PROXY_PORT"

@@ -3,16 +3,26 @@
 ``ConnectorScheduler`` folds every step's aggregated ``TransferStats`` (from the
 workers) into one ``ConnectorStats`` and adds what only it knows: grants handed
 out, blocks held for remote readers, loads in flight, local hits that made a
-transfer unnecessary. ``get_stats()`` returns a snapshot; the engine serves
-``snapshot.to_prometheus("kvbridge")`` on ``/metrics``.
+transfer unnecessary. ``get_stats()`` returns a snapshot; the engine's HTTP
+server (``kvbridge/serving/metrics.py``) exposes ``snapshot.metric_families("kvbridge")``
+on ``/metrics``. ``to_prometheus`` renders the same families as text (logs, tests).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["DURATION_BUCKETS_S", "ConnectorStats"]
+from prometheus_client import generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+__all__ = ["DURATION_BUCKETS_S", "ConnectorStats", "histogram_family"]
 
 # Upper bounds of the transfer-time histogram, seconds (Prometheus "le" labels).
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -78,60 +88,95 @@ class ConnectorStats:
         snapshot.duration_bucket_counts = list(self.duration_bucket_counts)
         return snapshot
 
-    def to_prometheus(self, prefix: str = "kvbridge") -> str:
-        """Prometheus text exposition (version 0.0.4) of these stats.
+    def metric_families(self, prefix: str = "kvbridge") -> list[Metric]:
+        """These stats as Prometheus metric families (for a ``prometheus_client`` collector).
 
         Args:
             prefix: metric name prefix, e.g. ``"kvbridge"`` ->
                 ``kvbridge_kv_transfers_total``.
 
         Returns:
+            Counters, gauges and the ``kv_transfer_seconds`` histogram; counters
+            carry no ``_created`` sample.
+        """
+
+        def counter(name: str, help_text: str, value: float) -> Metric:
+            return CounterMetricFamily(f"{prefix}_{name}", help_text, value=value)
+
+        def gauge(name: str, help_text: str, value: float) -> Metric:
+            return GaugeMetricFamily(f"{prefix}_{name}", help_text, value=value)
+
+        return [
+            counter("kv_transfers_total", "KV reads completed by workers.", self.num_transfers),
+            counter("kv_transfer_failures_total", "KV reads failed on workers.",
+                    self.num_failures),
+            counter("kv_transfer_bytes_total", "KV bytes received.", self.nbytes),
+            counter("kv_transfer_local_copies_total",
+                    "KV reads copied from a server process on this host.",
+                    self.num_local_copies),
+            counter("kv_loads_started_total", "Requests sent to workers to load.",
+                    self.num_loads_started),
+            counter("kv_loads_failed_total", "Requests whose load failed.",
+                    self.num_loads_failed),
+            counter("kv_local_hits_skipped_total",
+                    "Remote prefills not read thanks to local prefix hits.",
+                    self.num_local_hits_skipped),
+            counter("kv_grants_issued_total", "Prefills held for remote readers.",
+                    self.num_grants_issued),
+            counter("kv_grants_released_total", "Held prefills released.",
+                    self.num_grants_released),
+            gauge("kv_held_blocks", "Blocks held for remote readers.", self.num_held_blocks),
+            gauge("kv_held_requests", "Requests holding blocks for remote readers.",
+                  self.num_held_requests),
+            gauge("kv_loads_in_flight", "Loads in flight.", self.num_loads_in_flight),
+            histogram_family(f"{prefix}_kv_transfer_seconds", "Duration of KV reads.",
+                             DURATION_BUCKETS_S, self.duration_bucket_counts,
+                             self.duration_sum_s),
+        ]
+
+    def to_prometheus(self, prefix: str = "kvbridge") -> str:
+        """Prometheus text exposition (version 0.0.4) of :meth:`metric_families`.
+
+        Returns:
             The text, one ``# HELP`` / ``# TYPE`` pair per metric, ending in a newline.
         """
-        lines: list[str] = []
+        return generate_latest(_Families(self.metric_families(prefix))).decode()
 
-        def metric(name: str, kind: str, help_text: str, value: float) -> None:
-            full = f"{prefix}_{name}"
-            lines.extend([f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
-                          f"{full} {_number(value)}"])
 
-        metric("kv_transfers_total", "counter", "KV reads completed by workers.",
-               self.num_transfers)
-        metric("kv_transfer_failures_total", "counter", "KV reads failed on workers.",
-               self.num_failures)
-        metric("kv_transfer_bytes_total", "counter", "KV bytes received.", self.nbytes)
-        metric("kv_transfer_local_copies_total", "counter",
-               "KV reads copied from a server process on this host.", self.num_local_copies)
-        metric("kv_loads_started_total", "counter", "Requests sent to workers to load.",
-               self.num_loads_started)
-        metric("kv_loads_failed_total", "counter", "Requests whose load failed.",
-               self.num_loads_failed)
-        metric("kv_local_hits_skipped_total", "counter",
-               "Remote prefills not read thanks to local prefix hits.",
-               self.num_local_hits_skipped)
-        metric("kv_grants_issued_total", "counter", "Prefills held for remote readers.",
-               self.num_grants_issued)
-        metric("kv_grants_released_total", "counter", "Held prefills released.",
-               self.num_grants_released)
-        metric("kv_held_blocks", "gauge", "Blocks held for remote readers.",
-               self.num_held_blocks)
-        metric("kv_held_requests", "gauge", "Requests holding blocks for remote readers.",
-               self.num_held_requests)
-        metric("kv_loads_in_flight", "gauge", "Loads in flight.", self.num_loads_in_flight)
-        full = f"{prefix}_kv_transfer_seconds"
-        lines += [f"# HELP {full} Duration of KV reads.", f"# TYPE {full} histogram"]
-        cumulative = 0
-        for bound, count in zip(DURATION_BUCKETS_S, self.duration_bucket_counts, strict=False):
-            cumulative += count
-            lines.append(f'{full}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines.append(f'{full}_bucket{{le="+Inf"}} {self.num_durations}')
-        lines.append(f"{full}_sum {_number(self.duration_sum_s)}")
-        lines.append(f"{full}_count {self.num_durations}")
-        return "\n".join(lines) + "\n"
+def histogram_family(name: str, help_text: str, bounds: Sequence[float],
+                     bucket_counts: Sequence[int], sum_value: float) -> Metric:
+    """A Prometheus histogram family from per-bucket counts (no ``prometheus_client`` state).
+
+    Args:
+        name: Full metric name (``_bucket``, ``_sum`` and ``_count`` are appended).
+        help_text: The ``# HELP`` text.
+        bounds: Increasing upper bounds (the ``le`` labels; ``1.0`` shows as ``1``).
+        bucket_counts: Non-cumulative counts, ``len(bounds) + 1`` of them (the last
+            counts observations above every bound).
+        sum_value: Sum of all observations.
+    """
+    buckets: list[tuple[str, float]] = []
+    cumulative = 0
+    for bound, count in zip(bounds, bucket_counts, strict=False):
+        cumulative += count
+        buckets.append((_le(bound), cumulative))
+    buckets.append(("+Inf", sum(bucket_counts)))
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=sum_value)
+
+
+class _Families:
+    """A ``prometheus_client`` collector of families built beforehand."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
 
 _FIELDS = tuple(name for name in ConnectorStats.__slots__ if name != "duration_bucket_counts")
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def _le(bound: float) -> str:
+    """An ``le`` label as kvbridge has always written it: ``0.25``, ``1``, ``10``."""
+    return str(int(bound)) if float(bound).is_integer() else repr(float(bound))

@@ -21,7 +21,7 @@ from kvbridge.connector.outputs import KVConnectorOutput
 from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.worker import ConnectorWorker, WorkerHandshake
 from kvbridge.engine.engine_config import EngineConfig
-from kvbridge.engine.workers import WorkerContext
+from kvbridge.engine.rank_worker import WorkerContext
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer.config import AgentConfig
 from kvbridge.transfer.security import CompatInfo

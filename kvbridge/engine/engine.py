@@ -37,7 +37,8 @@ from kvbridge.engine.request import EngineRequest, RequestOutput, SamplingParams
 from kvbridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvbridge.engine.tokenizer import ByteTokenizer
 from kvbridge.engine.wakeup import Wakeup
-from kvbridge.engine.workers import WorkerGroup, WorkerGroupConfig
+from kvbridge.engine.worker_ipc import WorkerGroupConfig
+from kvbridge.engine.workers import WorkerGroup
 from kvbridge.errors import KVBridgeError
 from kvbridge.paged.hashing import BlockHasher
 from kvbridge.paged.manager import KVCacheManager

@@ -2,7 +2,7 @@
 
 ``EngineConfig`` is frozen and validated on creation; the CLI (``kvbridge serve``)
 builds one from flags and tests build small ones. :func:`kv_cache_config_for`
-sizes the paged cache with ``kvbridge/paged/config.py`` from either a block
+sizes the paged cache with ``kvbridge/paged/sizing.py`` from either a block
 count or a byte budget per TP rank.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from kvbridge.engine.config import ModelConfig, get_model_config
+from kvbridge.engine.model_config import ModelConfig, get_model_config
 from kvbridge.engine.runner import kv_block_nbytes
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout
-from kvbridge.paged.config import RequestLimits, get_kv_cache_config
-from kvbridge.paged.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvbridge.paged.kv_cache_config import KVCacheConfig
+from kvbridge.paged.sizing import RequestLimits, get_kv_cache_config
+from kvbridge.paged.spec import FullAttentionSpec, KVCacheSpec
 from kvbridge.transfer.config import AgentConfig
 
 __all__ = ["ConnectorSettings", "EngineConfig", "EngineRole", "kv_cache_config_for"]

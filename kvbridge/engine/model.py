@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbridge.engine.attention import AttentionMetadata, paged_attention
-from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.model_config import ModelConfig
 from kvbridge.engine.parallel import TensorParallel
 from kvbridge.engine.weights import check_weights
 from kvbridge.topology import heads_for_tp_rank

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 
+import msgspec
+
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.engine import sampling
+from kvbridge.engine.sampling import SamplerParams, check_sampler_args
 from kvbridge.paged.hashing import BlockHasher
 from kvbridge.paged.request import Request
 
@@ -35,32 +37,40 @@ __all__ = [
 ]
 
 
-class SamplingParams(sampling.SamplingParams, frozen=True):
-    """How to sample a request and when to stop it.
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How a caller wants a request sampled, and when to stop it.
 
-    Extends the runner's :class:`kvbridge.engine.sampling.SamplingParams`
-    (``temperature``, ``top_p``, ``seed``) with the stop conditions the
-    scheduler checks.
+    The scheduler checks the stop conditions; the workers' sampler gets only
+    :meth:`sampler_params`.
 
     Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: Keep the smallest set of most likely tokens whose probability
+            reaches ``top_p`` (1.0 keeps all).
+        seed: Makes random draws reproducible; ``None`` draws from the runner's
+            own unseeded generator.
         max_tokens: Output tokens to generate at most (>= 1).
         ignore_eos: Keep generating after the EOS token.
 
     Raises:
-        ValueError: ``max_tokens`` < 1, or a bad temperature / top_p.
+        ValueError: ``max_tokens`` < 1, a negative temperature or ``top_p``
+            outside ``(0, 1]`` (``msgspec.ValidationError`` when decoding).
     """
 
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
     max_tokens: int = 16
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_sampler_args(self.temperature, self.top_p)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
-    def for_sampler(self) -> sampling.SamplingParams:
-        """Just the fields the model runner samples with (what crosses to the workers)."""
-        return sampling.SamplingParams(self.temperature, self.top_p, self.seed)
+    def sampler_params(self) -> SamplerParams:
+        """The fields the workers' sampler reads (what crosses to the workers each step)."""
+        return SamplerParams(self.temperature, self.top_p, self.seed)
 
 
 class RequestStatus(Enum):
@@ -146,7 +156,7 @@ class EngineRequest(Request):
     ) -> None:
         super().__init__(request_id, prompt_token_ids, hasher)
         self.sampling_params = sampling_params
-        self.sampler_params = sampling_params.for_sampler()
+        self.sampler_params = sampling_params.sampler_params()
         self.status = RequestStatus.WAITING
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time_s = arrival_time_s

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from kvbridge.engine.attention import AttentionMetadata, SequenceSlice, kv_cache_shape
-from kvbridge.engine.config import ModelConfig
 from kvbridge.engine.model import DecoderModel
+from kvbridge.engine.model_config import ModelConfig
 from kvbridge.engine.parallel import TensorParallel
-from kvbridge.engine.sampling import SamplingParams, sample
+from kvbridge.engine.sampling import SamplerParams, sample
 from kvbridge.engine.weights import init_weights, load_safetensors_dir
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVLayout
@@ -63,7 +63,7 @@ class RequestStep(msgspec.Struct, frozen=True):
     start_pos: int
     block_ids: list[int]
     sample: bool = True
-    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    sampling: SamplerParams = msgspec.field(default_factory=SamplerParams)
 
     @property
     def end_pos(self) -> int:

@@ -5,6 +5,10 @@ logits: the generator is re-seeded for every token instead of carrying state
 from step to step. So the same request produces the same tokens whether it runs
 on one engine, or is prefilled on P and continued on D, and whatever else is in
 the batch. The model runner calls :func:`sample` once per step.
+
+:class:`SamplerParams` are what a step carries to the workers for one request:
+the part of a request's :class:`kvbridge.engine.request.SamplingParams` the
+sampler reads (the stop conditions stay with the scheduler).
 """
 
 from __future__ import annotations
@@ -17,8 +21,20 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
-class SamplingParams(msgspec.Struct, frozen=True):
-    """How to pick a request's next token.
+def check_sampler_args(temperature: float, top_p: float) -> None:
+    """Validate the sampler's knobs (shared by both parameter classes).
+
+    Raises:
+        ValueError: negative (or NaN) temperature, or ``top_p`` outside ``(0, 1]``.
+    """
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+class SamplerParams(msgspec.Struct, frozen=True):
+    """How the sampler picks one request's next token.
 
     Attributes:
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
@@ -37,10 +53,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampler_args(self.temperature, self.top_p)
 
     @property
     def is_greedy(self) -> bool:
@@ -75,7 +88,7 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
+    params: Sequence[SamplerParams],
     positions: Sequence[int],
     unseeded: torch.Generator,
 ) -> list[int]:

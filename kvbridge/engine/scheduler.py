@@ -12,7 +12,7 @@ admitted running request is preempted (its blocks freed; it recomputes later).
 
 A request whose ``kv_transfer_params`` ask for a remote prefill gets blocks for
 the remote tokens and waits in ``WAITING_FOR_REMOTE_KVS`` until the connector
-reports it loaded (see ``remote.py`` for that half). Finished requests go
+reports it loaded (``remote_kv.py`` tracks those loads). Finished requests go
 through the connector's ``request_finished``, which may keep their blocks for
 remote readers (prefill side) until it reports them sent.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector.outputs import KVConnectorOutput
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.scheduler import ConnectorScheduler
-from kvbridge.engine.remote import RemoteKVTracker
+from kvbridge.engine.remote_kv import RemoteKVTracker
 from kvbridge.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus
 from kvbridge.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvbridge.errors import ConfigError, KVBridgeError

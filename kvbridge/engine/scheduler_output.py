@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.engine.runner import RequestStep, StepBatch
-from kvbridge.engine.sampling import SamplingParams as SamplerParams
+from kvbridge.engine.sampling import SamplerParams
 
 __all__ = ["ScheduledRequest", "SchedulerOutput", "SchedulerStats"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvbridge.engine.config import NUM_BYTE_TOKENS, ModelConfig
+from kvbridge.engine.model_config import NUM_BYTE_TOKENS, ModelConfig
 
 
 class ByteTokenizer:

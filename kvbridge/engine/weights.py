@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.model_config import ModelConfig
 from kvbridge.errors import ConfigError
 
 Weights = dict[str, torch.Tensor]

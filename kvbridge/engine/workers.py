@@ -1,4 +1,4 @@
-"""TP worker processes: one :class:`ModelRunner` per rank, driven by a ``WorkerGroup``.
+"""TP worker processes: the ``WorkerGroup`` that drives one :class:`ModelRunner` per rank.
 
 The engine (its scheduler) owns one :class:`WorkerGroup`. It spawns ``tp_size``
 processes (``multiprocessing`` spawn) that join one ``torch.distributed`` group
@@ -7,316 +7,66 @@ the group sends the same :class:`StepBatch` to every rank over its pipe and
 returns rank 0's sampled tokens. With ``tp_size == 1`` and ``in_process=True``
 the single rank runs in the caller's process instead (no spawn, no group).
 
-Per-worker objects (the connector worker and its transfer agent) are built in
-each worker by the *worker extension*: ``"package.module:factory"``, called with
-a :class:`WorkerContext` (rank, runner, KV caches) once the runner exists.
-:meth:`WorkerGroup.call` then invokes a method of every rank's extension.
+This module is the parent side. What runs in each worker (building the rank,
+its *worker extension*, answering requests) is ``rank_worker.py``; the config,
+the pipe messages and the errors both sides share are ``worker_ipc.py``.
+:meth:`WorkerGroup.call` invokes a public method of every rank's extension, by
+name; a name the extension does not have is an ``UnknownMethodError``.
 
 Nothing is left behind: ``shutdown()`` (idempotent, also run on errors, on
 garbage collection and at interpreter exit) stops every process, escalating to
 SIGTERM then SIGKILL; a worker whose parent dies exits by itself. Every wait
-has a timeout. Pipe messages are pickled: both ends are this package.
+has a timeout. Replies are checked on arrival.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
-import os
-import signal
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import torch
-
-from kvbridge.engine.config import ModelConfig
-from kvbridge.engine.parallel import (
-    TensorParallel,
-    default_backend,
-    destroy_tp_group,
-    find_free_port,
-    init_tp_group,
+from kvbridge.engine.parallel import TensorParallel, find_free_port
+from kvbridge.engine.rank_worker import RankWorker, no_wakeup, worker_main
+from kvbridge.engine.runner import ModelRunner, StepBatch
+from kvbridge.engine.worker_ipc import (
+    CallExtension,
+    Describe,
+    Done,
+    Execute,
+    Failed,
+    RankInfo,
+    Shutdown,
+    UnknownMethodError,
+    WorkerError,
+    WorkerGroupConfig,
+    WorkerProtocolError,
+    WorkerReply,
+    WorkerRequest,
+    WorkerTimeoutError,
 )
-from kvbridge.engine.runner import ModelRunner, StepBatch, StepLimits
-from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.layout import KVLayout
+
+__all__ = ["WorkerGroup"]
 
 _HOST = "127.0.0.1"
 _SHUTDOWN_GRACE_S = 10.0
 
 
-class WorkerError(KVBridgeError):
-    """A worker failed to start, raised while handling a request, or died."""
-
-
-class WorkerTimeoutError(WorkerError, TimeoutError):
-    """A worker did not answer within the configured timeout."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerGroupConfig:
-    """Everything each worker needs to build its rank (picklable, sent to spawn).
-
-    Attributes:
-        model: Model to run.
-        tp_size: Number of TP ranks.
-        num_blocks: KV cache blocks per layer on each rank.
-        block_size: Tokens per block.
-        layout: KV cache layout.
-        device: ``cpu`` or ``cuda`` (rank ``r`` then uses ``cuda:r``).
-        weights_dir: Directory of Llama safetensors, or ``None`` for seeded weights.
-        max_num_reqs: Most requests in one step.
-        max_num_batched_tokens: Most tokens in one step (default ``max_model_len``).
-        worker_extension: ``"module:factory"`` building a per-worker object from
-            a :class:`WorkerContext`, or ``None``.
-        extension_config: Picklable value handed to the factory as ``ctx.extension_config``.
-        in_process: Run the only rank in the caller's process (``tp_size == 1`` only).
-        num_threads: Torch CPU threads per worker (default: cores / tp_size).
-        startup_timeout_s: Limit on spawning and initialising all ranks.
-        step_timeout_s: Limit on one ``execute`` or ``call`` (and on collectives).
-
-    Raises:
-        ConfigError: bad sizes, ``in_process`` with ``tp_size > 1``, or a model
-            that does not split over ``tp_size``.
-    """
-
-    model: ModelConfig
-    tp_size: int
-    num_blocks: int
-    block_size: int
-    layout: KVLayout = KVLayout.NHD
-    device: str = "cpu"
-    weights_dir: str | None = None
-    max_num_reqs: int = 256
-    max_num_batched_tokens: int | None = None
-    worker_extension: str | None = None
-    extension_config: Any = None
-    in_process: bool = False
-    num_threads: int | None = None
-    startup_timeout_s: float = 120.0
-    step_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", KVLayout.parse(self.layout))
-        self.model.check_tp_size(self.tp_size)
-        if self.num_blocks < 1 or self.block_size < 1:
-            raise ConfigError(
-                f"num_blocks {self.num_blocks} and block_size {self.block_size} must be >= 1"
-            )
-        if self.in_process and self.tp_size != 1:
-            raise ConfigError(f"in_process needs tp_size 1, got {self.tp_size}")
-        if min(self.startup_timeout_s, self.step_timeout_s) <= 0:
-            raise ConfigError("timeouts must be > 0")
-
-    def limits(self) -> StepLimits:
-        """The step bounds every rank enforces."""
-        return StepLimits(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.model.max_model_len,
-            vocab_size=self.model.vocab_size,
-            max_num_reqs=self.max_num_reqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or self.model.max_model_len,
-        )
-
-
-def _no_wakeup() -> None:
-    """``WorkerContext.notify`` of a group nobody waits on."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerContext:
-    """What a worker extension factory gets: this rank and its runner.
-
-    Attributes:
-        tp_rank: This worker's TP rank.
-        tp_size: TP size.
-        runner: The rank's model runner (``runner.kv_caches`` are the caches to
-            register; ``runner.kv_heads`` the global KV heads they hold).
-        config: The group's configuration.
-        notify: Wakes the engine between steps: call it (from any thread, it
-            never blocks) when something the engine polls its workers for
-            happened outside a step, e.g. a KV transfer finished.
-    """
-
-    tp_rank: int
-    tp_size: int
-    runner: ModelRunner
-    config: WorkerGroupConfig
-    notify: Callable[[], None] = _no_wakeup
-
-    @property
-    def kv_caches(self) -> list[torch.Tensor]:
-        """Per-layer KV cache tensors of this rank."""
-        return self.runner.kv_caches
-
-    @property
-    def extension_config(self) -> Any:
-        """``config.extension_config``."""
-        return self.config.extension_config
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """Facts about one running rank."""
-
-    tp_rank: int
-    pid: int
-    kv_heads: tuple[int, int]  # global KV heads [start, stop)
-    kv_cache_shape: tuple[int, ...]
-    device: str
-
-
-def load_extension(path: str) -> Callable[[WorkerContext], object]:
-    """Resolve ``"package.module:factory"`` to the factory.
-
-    Raises:
-        ConfigError: malformed path, module not importable, or no such callable.
-    """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"worker extension {path!r} must look like 'package.module:factory'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot load worker extension {path!r}: {exc}") from exc
-    if not callable(factory):
-        raise ConfigError(f"worker extension {path!r} is not callable")
-    return factory  # type: ignore[no-any-return]
-
-
-class _RankWorker:
-    """One rank's state and message handling (in a worker process or in-process)."""
-
-    def __init__(
-        self, config: WorkerGroupConfig, tp: TensorParallel,
-        notify: Callable[[], None] = _no_wakeup,
-    ) -> None:
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", tp.rank)
-            torch.cuda.set_device(device)
-        self.tp = tp
-        self.runner = ModelRunner(
-            config.model,
-            tp.rank,
-            tp.size,
-            tp.group,
-            config.num_blocks,
-            config.block_size,
-            config.layout,
-            device,
-            weights=config.weights_dir,
-            max_num_reqs=config.max_num_reqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
-        self.extension: object | None = None
-        if config.worker_extension is not None:
-            factory = load_extension(config.worker_extension)
-            self.extension = factory(WorkerContext(tp.rank, tp.size, self.runner, config, notify))
-
-    def handle(self, msg: tuple[Any, ...]) -> object:
-        kind = msg[0]
-        if kind == "execute":
-            return self.runner.execute(msg[1])
-        if kind == "call":
-            _, method, args, kwargs = msg
-            if self.extension is None:
-                raise WorkerError(f"call({method!r}): no worker extension configured")
-            return getattr(self.extension, method)(*args, **kwargs)
-        if kind == "info":
-            return RankInfo(
-                tp_rank=self.tp.rank,
-                pid=os.getpid(),
-                kv_heads=(self.runner.kv_heads.start, self.runner.kv_heads.stop),
-                kv_cache_shape=tuple(self.runner.kv_caches[0].shape),
-                device=str(self.runner.device),
-            )
-        raise WorkerError(f"unknown worker message {kind!r}")
-
-    def close(self) -> None:
-        close = getattr(self.extension, "close", None)
-        if callable(close):
-            close()
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Exit this worker if its parent dies (the pipe alone misses a stuck collective)."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kvbridge-orphan-watch", daemon=True).start()
-
-
-def _worker_main(
-    config: WorkerGroupConfig, rank: int, port: int, conn: Connection,
-    notify: Callable[[], None],
-) -> None:
-    """Entry point of a spawned worker: init, report ready, serve until told to stop."""
-    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_when_orphaned(os.getppid())
-    tp = TensorParallel()
-    worker: _RankWorker | None = None
-    try:
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(config.num_threads or max(1, cores // config.tp_size))
-        tp = init_tp_group(
-            rank,
-            config.tp_size,
-            host=_HOST,
-            port=port,
-            backend=default_backend(config.device),
-            timeout_s=config.step_timeout_s,
-        )
-        worker = _RankWorker(config, tp, notify)
-        conn.send(("ok", worker.handle(("info",))))
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:  # parent closed the pipe or died
-                return
-            if msg[0] == "shutdown":
-                return
-            try:
-                conn.send(("ok", worker.handle(msg)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    except Exception:
-        with contextlib.suppress(OSError):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if worker is not None:
-            worker.close()
-        destroy_tp_group(tp)
-        conn.close()
-
-
 class _LocalRank:
     """The only rank, run in the caller's process; replies are computed on send."""
 
-    def __init__(self, worker: _RankWorker) -> None:
+    def __init__(self, worker: RankWorker) -> None:
         self.worker = worker
-        self._reply: tuple[str, object] | None = None
+        self._reply: WorkerReply | None = None
 
-    def send(self, msg: tuple[Any, ...]) -> None:
-        try:
-            self._reply = ("ok", self.worker.handle(msg))
-        except Exception:
-            self._reply = ("error", traceback.format_exc())
+    def send(self, request: WorkerRequest) -> None:
+        self._reply = self.worker.reply(request)
 
-    def recv(self, timeout_s: float) -> tuple[str, object]:
+    def recv(self, timeout_s: float) -> WorkerReply:
         reply, self._reply = self._reply, None
         assert reply is not None, "recv without send"
         return reply
@@ -330,34 +80,52 @@ class _ProcessRank:
         self.conn = conn
         self.tp_rank = tp_rank
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, request: WorkerRequest) -> None:
         try:
-            self.conn.send(msg)
+            self.conn.send(request)
         except OSError as exc:
             raise WorkerError(f"worker rank {self.tp_rank} is gone: {exc}") from exc
 
-    def recv(self, timeout_s: float) -> tuple[str, object]:
+    def recv(self, timeout_s: float) -> WorkerReply:
+        """The rank's next reply.
+
+        Raises:
+            WorkerTimeoutError: nothing within ``timeout_s``.
+            WorkerError: the rank died.
+            WorkerProtocolError: the rank sent something that is not a reply.
+        """
         try:
             if not self.conn.poll(max(0.0, timeout_s)):
                 raise WorkerTimeoutError(
                     f"worker rank {self.tp_rank} (pid {self.process.pid}) sent nothing "
                     f"within {timeout_s:.1f} s"
                 )
-            reply: tuple[str, object] = self.conn.recv()
+            reply = self.conn.recv()
         except (EOFError, OSError) as exc:
             self.process.join(1.0)  # so the exit code is known
             raise WorkerError(
                 f"worker rank {self.tp_rank} (pid {self.process.pid}) died, "
                 f"exit code {self.process.exitcode}"
             ) from exc
-        return reply
+        except WorkerError:
+            raise
+        except Exception as exc:  # did not unpickle (a class the parent cannot import...)
+            raise WorkerProtocolError(
+                f"worker rank {self.tp_rank}: undecodable reply: {exc!r}"
+            ) from exc
+        match reply:
+            case Done() | Failed(traceback=str()):
+                return reply
+        raise WorkerProtocolError(
+            f"worker rank {self.tp_rank} sent {type(reply).__name__}, not Done or Failed"
+        )
 
 
 def _reap(ranks: Sequence[_ProcessRank]) -> None:
     """Stop every worker process: ask, then SIGTERM, then SIGKILL; close the pipes."""
     for rank in ranks:
         with contextlib.suppress(OSError):
-            rank.conn.send(("shutdown",))
+            rank.conn.send(Shutdown())
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S
     for rank in ranks:
         rank.process.join(max(0.0, deadline - time.monotonic()))
@@ -371,14 +139,15 @@ def _reap(ranks: Sequence[_ProcessRank]) -> None:
         rank.conn.close()
 
 
-def _unwrap(replies: Sequence[tuple[str, object]], what: str) -> list[Any]:
-    """The payloads of ``replies``, or a ``WorkerError`` quoting every failed rank."""
+def _unwrap(replies: Sequence[WorkerReply], what: str) -> list[Any]:
+    """The values of ``replies``, or a ``WorkerError`` quoting every failed rank."""
     errors = [
-        f"rank {i}:\n{payload}" for i, (status, payload) in enumerate(replies) if status != "ok"
+        f"rank {i}:\n{reply.traceback}" for i, reply in enumerate(replies)
+        if isinstance(reply, Failed)
     ]
     if errors:
         raise WorkerError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
-    return [payload for _, payload in replies]
+    return [reply.value for reply in replies if isinstance(reply, Done)]
 
 
 class WorkerGroup:
@@ -400,7 +169,7 @@ class WorkerGroup:
     """
 
     def __init__(
-        self, config: WorkerGroupConfig, notify: Callable[[], None] = _no_wakeup,
+        self, config: WorkerGroupConfig, notify: Callable[[], None] = no_wakeup,
     ) -> None:
         self.config = config
         self._notify = notify
@@ -410,17 +179,26 @@ class WorkerGroup:
         self._procs: list[_ProcessRank] = []
         self._ranks: list[_LocalRank | _ProcessRank] = []
         if config.in_process:
-            self._local = _LocalRank(_RankWorker(config, TensorParallel(), notify))
+            self._local = _LocalRank(RankWorker(config, TensorParallel(), notify))
             self._ranks = [self._local]
+            self._extension_methods = frozenset(self._local.worker.extension_methods)
             return
         # The finalizer holds the list, not self, so collection and exit reap too.
         self._finalizer = weakref.finalize(self, _reap, self._procs)
         try:
             self._spawn()
-            _unwrap(self._gather(config.startup_timeout_s), "startup")
+            infos = _unwrap(self._gather(config.startup_timeout_s), "startup")
+            if not all(isinstance(info, RankInfo) for info in infos):
+                raise WorkerProtocolError(
+                    f"startup: a rank reported {[type(i).__name__ for i in infos]}, not RankInfo"
+                )
         except BaseException:
             self.shutdown()
             raise
+        # Every rank runs the same factory; a method some rank lacks is unknown.
+        self._extension_methods = frozenset.intersection(
+            *(frozenset(info.extension_methods) for info in infos)
+        )
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
@@ -428,8 +206,8 @@ class WorkerGroup:
         for rank in range(self.config.tp_size):
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
-                target=_worker_main,
-                args=(self.config, rank, port, child_conn, self._notify),
+                target=worker_main,
+                args=(self.config, rank, _HOST, port, child_conn, self._notify),
                 name=f"kvbridge-tp{rank}",
                 daemon=True,
             )
@@ -466,7 +244,7 @@ class WorkerGroup:
         """
         self._limits.check(batch)
         try:
-            results = self._broadcast(("execute", batch), "execute")
+            results = self._broadcast(Execute(batch), "execute")
         except WorkerError:
             # Ranks may be stuck in a collective: the group cannot continue.
             self.shutdown()
@@ -481,23 +259,32 @@ class WorkerGroup:
             Each rank's return value, by rank.
 
         Raises:
+            UnknownMethodError: ``method`` is not a public method of the
+                extension (nothing was sent; the group stays usable).
             WorkerError: no extension, or the method raised on some rank (the
                 group stays usable); a rank died (the group is shut down).
             WorkerTimeoutError: a rank did not answer in time (shut down).
         """
-        return self._broadcast(("call", method, args, kwargs), f"call({method!r})")
+        if self.config.worker_extension is None:
+            raise WorkerError(f"call({method!r}): no worker extension configured")
+        if method not in self._extension_methods:
+            raise UnknownMethodError(
+                f"call({method!r}): the worker extension {self.config.worker_extension!r} has "
+                f"no public method {method!r} (it has {', '.join(sorted(self._extension_methods))})"
+            )
+        return self._broadcast(CallExtension(method, args, kwargs), f"call({method!r})")
 
     def info(self) -> list[RankInfo]:
-        """Per-rank facts (pid, KV heads, cache shape, device)."""
-        infos: list[RankInfo] = self._broadcast(("info",), "info")
+        """Per-rank facts (pid, KV heads, cache shape, device, extension methods)."""
+        infos: list[RankInfo] = self._broadcast(Describe(), "info")
         return infos
 
-    def _broadcast(self, msg: tuple[Any, ...], what: str) -> list[Any]:
+    def _broadcast(self, request: WorkerRequest, what: str) -> list[Any]:
         if self._closed:
             raise WorkerError(f"{what}: worker group is shut down")
         try:
             for rank in self._ranks:
-                rank.send(msg)
+                rank.send(request)
             replies = self._gather(self.config.step_timeout_s)
         except WorkerError:
             # A rank died or hung; the others may wait in a collective forever.
@@ -505,11 +292,12 @@ class WorkerGroup:
             raise
         return _unwrap(replies, what)
 
-    def _gather(self, timeout_s: float) -> list[tuple[str, object]]:
+    def _gather(self, timeout_s: float) -> list[WorkerReply]:
         """One reply from every rank (all are read, so the pipes stay in step).
 
         Raises:
             WorkerError: a rank died. WorkerTimeoutError: the deadline passed.
+            WorkerProtocolError: a rank sent something that is not a reply.
         """
         deadline = time.monotonic() + timeout_s
         return [rank.recv(deadline - time.monotonic()) for rank in self._ranks]

@@ -2,18 +2,20 @@
 
 Map of the package (lower modules never import higher ones)::
 
-    spec.py         per-layer KV cache specs, groups, KVCacheConfig
-    config.py       sizing: blocks from available memory, longest context
-    hashing.py      chained, seeded block hashes (P and D agree)
-    events.py       prefix-cache events (stored / removed / cleared)
-    free_queue.py   KVCacheBlock and the intrusive LRU free-block queue
-    block_pool.py   ref counts, hash -> block map, eviction
-    request.py      the request as the manager sees it
-    single_type.py  per-group managers (full, sliding window, chunked, ...)
-    coordinator.py  the groups of one config as a unit
-    manager.py      KVCacheManager: the scheduler's interface
-    stats.py        prefix-cache stats and hit-rate window
-    block_table.py  per-request block id rows and slot mapping (worker side)
+    spec.py             per-layer KV cache specs and their worst cases
+    kv_cache_config.py  which layers share a block table; groups, KVCacheConfig
+    sizing.py           blocks from available memory, longest context
+    hashing.py          chained, seeded block hashes (P and D agree)
+    events.py           prefix-cache events (stored / removed / cleared)
+    free_queue.py       KVCacheBlock and the intrusive LRU free-block queue
+    block_pool.py       ref counts, hash -> block map, eviction
+    request.py          the request as the manager sees it
+    single_type.py      per-group managers: the base, full, cross attention, Mamba
+    windowed.py         per-group managers: sliding window, chunked local
+    coordinator.py      the groups of one config as a unit (builds their managers)
+    manager.py          KVCacheManager: the scheduler's interface
+    stats.py            prefix-cache stats and hit-rate window
+    block_table.py      per-request block id rows and slot mapping (worker side)
 """
 
 from __future__ import annotations
@@ -24,16 +26,6 @@ from kvbridge.paged.block_table import (
     ContextParallelConfig,
     GroupTableSpec,
     MultiGroupBlockTable,
-)
-from kvbridge.paged.config import (
-    RequestLimits,
-    check_enough_memory,
-    estimate_max_model_len,
-    get_kv_cache_config,
-    get_max_concurrency,
-    group_layers,
-    max_request_nbytes,
-    unify_kv_cache_configs,
 )
 from kvbridge.paged.events import (
     AllBlocksCleared,
@@ -52,6 +44,12 @@ from kvbridge.paged.hashing import (
     RequestHashExtras,
     make_hash_fn,
 )
+from kvbridge.paged.kv_cache_config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    UniformTypeSpecs,
+)
 from kvbridge.paged.manager import (
     AllocationError,
     CacheTooSmallError,
@@ -60,21 +58,27 @@ from kvbridge.paged.manager import (
     RequestTooLongError,
 )
 from kvbridge.paged.request import Request
+from kvbridge.paged.sizing import (
+    RequestLimits,
+    check_enough_memory,
+    estimate_max_model_len,
+    get_kv_cache_config,
+    get_max_concurrency,
+    group_layers,
+    max_request_nbytes,
+    unify_kv_cache_configs,
+)
 from kvbridge.paged.spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     SpecMismatchError,
-    UniformTypeSpecs,
     UnsupportedSpecError,
 )
 from kvbridge.paged.stats import PrefixCacheHitWindow, PrefixCacheStats

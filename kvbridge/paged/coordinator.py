@@ -4,6 +4,8 @@
 that spans groups: the prefix-cache hit all groups agree on, the blocks one
 allocation needs in total, and per-group allocation, caching and freeing.
 Block lists travel as tuples with one entry per group, in group order.
+:func:`make_single_type_manager` picks each group's manager by its spec's kind
+(``single_type.py``, ``windowed.py``).
 """
 
 from __future__ import annotations
@@ -11,18 +13,29 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from kvbridge.errors import ConfigError
 from kvbridge.paged.block_pool import BlockPool
 from kvbridge.paged.free_queue import KVCacheBlock
 from kvbridge.paged.hashing import BlockHash
+from kvbridge.paged.kv_cache_config import KVCacheConfig, UniformTypeSpecs
 from kvbridge.paged.request import Request
 from kvbridge.paged.single_type import (
+    CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SingleTypeManager,
-    make_single_type_manager,
 )
-from kvbridge.paged.spec import KVCacheConfig
+from kvbridge.paged.spec import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvbridge.paged.windowed import ChunkedLocalAttentionManager, SlidingWindowManager
 
-__all__ = ["GroupBlocks", "KVCacheCoordinator"]
+__all__ = ["GroupBlocks", "KVCacheCoordinator", "make_single_type_manager"]
 
 GroupBlocks = tuple[Sequence[KVCacheBlock], ...]
 """Blocks per KV cache group, in group order."""
@@ -205,4 +218,35 @@ def _kind_key(manager: SingleTypeManager) -> tuple[object, ...]:
         manager.block_size,
         getattr(manager, "sliding_window", None),
         getattr(manager, "attention_chunk_size", None),
+    )
+
+
+def make_single_type_manager(
+    spec: KVCacheSpec, pool: BlockPool, group_id: int, dcp_world_size: int = 1
+) -> SingleTypeManager:
+    """Build the manager for a group's spec.
+
+    A ``UniformTypeSpecs`` group is managed by the kind of its layers. A full
+    attention spec that only *records* a window or chunk size is full attention.
+
+    Raises:
+        ConfigError: the spec kind keeps no cache (encoder-only) or is unknown.
+    """
+    kind = spec.layer_specs[0][1] if isinstance(spec, UniformTypeSpecs) else spec
+    match kind:
+        case FullAttentionSpec():
+            return FullAttentionManager(spec, pool, group_id, dcp_world_size)
+        case SlidingWindowSpec():
+            return SlidingWindowManager(spec, pool, group_id, kind.sliding_window,
+                                        dcp_world_size)
+        case ChunkedLocalAttentionSpec():
+            return ChunkedLocalAttentionManager(spec, pool, group_id,
+                                                kind.attention_chunk_size, dcp_world_size)
+        case CrossAttentionSpec():
+            return CrossAttentionManager(spec, pool, group_id, dcp_world_size)
+        case MambaSpec():
+            return MambaManager(spec, pool, group_id, 1 + kind.num_speculative_blocks,
+                                dcp_world_size)
+    raise ConfigError(
+        f"KV cache group {group_id}: no block manager for spec type {type(kind).__name__}"
     )

@@ -8,6 +8,10 @@ Results are ``KVCacheBlocks``, which expose block ids and hide the pool.
 
 The manager reads ``Request.num_computed_tokens`` but never writes it: the
 scheduler advances it after a step has run.
+
+One module although over ~400 lines: it is one class over one pool and one
+coordinator, and its checks (``_check_*``, the numbers in every allocation
+error) read the same state as the methods they guard.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from kvbridge.paged.block_pool import BlockPool
 from kvbridge.paged.coordinator import GroupBlocks, KVCacheCoordinator
 from kvbridge.paged.events import KVCacheEvent
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import KVCacheConfig
 from kvbridge.paged.request import Request
-from kvbridge.paged.spec import KVCacheConfig
 from kvbridge.paged.stats import PrefixCacheStats
 
 __all__ = [

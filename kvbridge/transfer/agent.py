@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -163,8 +163,6 @@ class TransferAgent:
             engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology)
         )
         self._requested_port = port
-        self._aliases: dict[str, str] = {}  # shared with the server sessions
-        self._alias_of_request: dict[str, str] = {}
         self._local: LocalKV | None = None
         self._running: _Running | None = None
         self._thread: threading.Thread | None = None
@@ -232,7 +230,7 @@ class TransferAgent:
         executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-copy")
         server_ctx = ServerContext(
             self._me, self._local, self.grants, cfg, BufferPool(cfg.num_serve_buffers),
-            executor, self._clock, self._aliases,
+            executor, self._clock,
         )
         copier = None
         if allowed(cfg.local_copy) and host_memory(self._local.layers):
@@ -355,24 +353,20 @@ class TransferAgent:
                 reader's handshake decide (``topology.num_expected_readers``).
             token: a token chosen by the engine and shared by all its ranks (readers
                 send one token to every rank); default: the table's own random one.
-                It must be unguessable (e.g. ``secrets.token_urlsafe(16)``).
+                It must be unguessable (e.g. ``secrets.token_urlsafe(16)``). The
+                table keeps it as the grant's only token.
             prompt_digest: ``kvbridge.transfer.prompt_digest`` of the prompt whose KV
                 the blocks hold; reads naming another prompt are then refused
                 (``prompt_mismatch``). None leaves the grant unbound.
 
         Raises:
-            ConfigError: as ``GrantTable.issue``, or ``token`` shorter than 16 chars.
+            ConfigError: as ``GrantTable.issue`` (e.g. ``token`` shorter than 16 chars).
+            DuplicateGrantError: as ``GrantTable.issue``.
         """
-        if token is not None and len(token) < 16:
-            raise ConfigError(f"grant token must have >= 16 characters, got {len(token)}")
         grant = self.grants.issue(
             request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest,
-            alias=token,
+            token=token,
         )
-        if token is not None:
-            self._aliases[token] = grant.token
-            self._alias_of_request[request_id] = token
-            grant = replace(grant, token=token)
         running = self._running
         if running is not None and not self._closed:  # a read may wait for it: wake it now
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -498,10 +492,6 @@ class TransferAgent:
         reads that ended, successfully or not (see ``get_failed_block_ids``).
         """
         sending = {release.request_id for release in self.grants.drain_released()}
-        for request_id in sending:
-            alias = self._alias_of_request.pop(request_id, None)
-            if alias is not None:
-                self._aliases.pop(alias, None)
         running = self._running
         recving = running.reads.take_finished() if running is not None else set()
         return sending, recving

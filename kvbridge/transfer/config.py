@@ -3,16 +3,20 @@
 ``AgentConfig`` holds every timeout and buffer size (all waits in the agent take
 their deadline from here). ``LocalKV`` checks the worker's registered caches
 against its ``EngineTopology`` and answers what the handshake advertises.
-Both are built by ``TransferAgent`` (``agent.py``) from its constructor arguments.
+Both are built by ``TransferAgent`` (``agent.py``) from its constructor arguments;
+``AgentConfig.from_options`` builds the config from a deployment's overrides
+(``kvbridge serve --transfer-option``, the vLLM connector's ``agent`` setting).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Annotated
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -22,14 +26,25 @@ from kvbridge.layout import KVLayout
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer import wire
 
-#: ``AgentConfig`` fields for which 0 means "off" rather than an invalid value.
-_ZERO_ALLOWED = frozenset({"test_chunk_delay_s", "local_copy_min_nbytes"})
-_BOOLS = frozenset({"direct_reads", "local_copy", "grant_board"})
+# msgspec has no "finite" constraint: the largest float as upper bound keeps out
+# inf, and NaN fails every comparison.
+_FINITE_MAX = sys.float_info.max
+#: Seconds, finite and > 0.
+_Seconds = Annotated[float, msgspec.Meta(gt=0, le=_FINITE_MAX)]
+#: Seconds, finite and >= 0 (0: off).
+_SecondsOrOff = Annotated[float, msgspec.Meta(ge=0, le=_FINITE_MAX)]
+_Positive = Annotated[int, msgspec.Meta(gt=0)]
+_PositiveOrOff = Annotated[int, msgspec.Meta(ge=0)]
+_UpTo64 = Annotated[int, msgspec.Meta(gt=0, le=64)]
 
 
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Timeouts (seconds) and sizes (bytes) of one transfer agent.
+
+    Built by keyword (``AgentConfig(read_timeout_s=30)``) or with
+    :meth:`from_options`; either way every field is checked against its
+    annotation (type, finite, bounds) and a bad value raises ``ConfigError``
+    naming the field and the value. Change one with ``msgspec.structs.replace``.
 
     Attributes:
         connect_timeout_s: UCX connect plus id swap.
@@ -72,47 +87,92 @@ class AgentConfig:
             (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
     """
 
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    reply_timeout_s: float = 10.0
-    chunk_timeout_s: float = 10.0
-    read_timeout_s: float = 120.0
-    heartbeat_s: float = 2.0
-    server_idle_timeout_s: float = 30.0
-    chunk_nbytes: int = 16 << 20
-    window_chunks: int = 2
-    num_read_slots: int = 4
-    num_serve_buffers: int = 4
-    max_frame_nbytes: int = 1 << 20
-    lease_s: float = 30.0
-    renew_every_s: float = 10.0
-    expire_every_s: float = 0.2
-    grant_wait_s: float = 2.0
+    connect_timeout_s: _Seconds = 5.0
+    handshake_timeout_s: _Seconds = 5.0
+    reply_timeout_s: _Seconds = 10.0
+    chunk_timeout_s: _Seconds = 10.0
+    read_timeout_s: _Seconds = 120.0
+    heartbeat_s: _Seconds = 2.0
+    server_idle_timeout_s: _Seconds = 30.0
+    chunk_nbytes: _Positive = 16 << 20
+    window_chunks: _UpTo64 = 2
+    num_read_slots: _Positive = 4
+    num_serve_buffers: _Positive = 4
+    max_frame_nbytes: _Positive = 1 << 20
+    lease_s: _Seconds = 30.0
+    renew_every_s: _Seconds = 10.0
+    expire_every_s: _Seconds = 0.2
+    grant_wait_s: _Seconds = 2.0
     direct_reads: bool = True
     local_copy: bool = True
-    local_copy_min_nbytes: int = 8 << 20
-    copy_threads: int = 2
+    local_copy_min_nbytes: _PositiveOrOff = 8 << 20
+    copy_threads: _UpTo64 = 2
     grant_board: bool = True
-    test_chunk_delay_s: float = 0.0
+    test_chunk_delay_s: _SecondsOrOff = 0.0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _BOOLS:
-                if not isinstance(value, bool):
-                    raise ConfigError(f"AgentConfig.{f.name} must be a bool, got {value!r}")
-                continue
-            zero_ok = f.name in _ZERO_ALLOWED
-            numeric = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (numeric and math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
-                bound = ">= 0" if zero_ok else "> 0"
-                raise ConfigError(f"AgentConfig.{f.name} must be finite and {bound}, "
-                                  f"got {value!r}")
-        if not isinstance(self.copy_threads, int) or self.copy_threads > 64:
-            raise ConfigError(f"AgentConfig.copy_threads must be an int <= 64, "
-                              f"got {self.copy_threads!r}")
-        if self.window_chunks > 64:
-            raise ConfigError(f"AgentConfig.window_chunks must be <= 64, got {self.window_chunks}")
+        # msgspec checks types and bounds when it converts (from_options), not when
+        # a caller constructs by keyword: check every field here for both.
+        for name in self.__struct_fields__:
+            _check_field(name, getattr(self, name), strict=True)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], *, strict: bool = True) -> AgentConfig:
+        """The defaults with ``options`` applied, converted by ``msgspec.convert``.
+
+        Args:
+            options: Field name -> value, e.g. ``{"read_timeout_s": 30}``.
+            strict: False: also convert text, as given on a command line
+                (``"2.5"`` -> 2.5, ``"true"``/``"1"`` -> True).
+
+        Raises:
+            ConfigError: an unknown field, or a value of the wrong type or out
+                of bounds (the message names the field and the value).
+        """
+        unknown = sorted(set(options) - set(cls.__struct_fields__))
+        if unknown:
+            raise ConfigError(f"unknown AgentConfig field(s) {unknown}: known are "
+                              f"{sorted(cls.__struct_fields__)}")
+        for name, value in options.items():  # msgspec's own message names no value
+            _check_field(name, value, strict)
+        try:
+            return msgspec.convert(dict(options), cls, strict=strict)
+        except msgspec.ValidationError as exc:  # every field was checked: not expected
+            raise ConfigError(f"AgentConfig: {exc}") from None
+
+
+def _field_rules() -> dict[str, tuple[type, object, str]]:
+    """Per ``AgentConfig`` field: its plain type, its annotated type, and its bounds in words."""
+    rules: dict[str, tuple[type, object, str]] = {}
+    for info in msgspec.structs.fields(AgentConfig):
+        kind, *metas = typing.get_args(info.type) or (info.type,)
+        words = ["finite"] if kind is float else []
+        for meta in metas:
+            assert isinstance(meta, msgspec.Meta)
+            for op, bound in ((">", meta.gt), (">=", meta.ge), ("<=", meta.le)):
+                if bound is not None and bound != _FINITE_MAX:
+                    words.append(f"{op} {bound}")
+        rules[info.name] = (kind, info.type, " and ".join(words))
+    return rules
+
+
+_KIND_WORDS = {float: "a number", int: "an integer", bool: "a bool (true or false)"}
+
+
+def _check_field(name: str, value: object, strict: bool) -> None:
+    """Raise ``ConfigError`` unless ``value`` converts to field ``name``'s type and bounds."""
+    kind, annotated, bounds = _RULES[name]
+    try:
+        typed: object = msgspec.convert(value, kind, strict=strict)
+    except msgspec.ValidationError:
+        raise ConfigError(f"AgentConfig.{name}: {value!r} is not {_KIND_WORDS[kind]}") from None
+    try:
+        msgspec.convert(typed, annotated)
+    except msgspec.ValidationError:
+        raise ConfigError(f"AgentConfig.{name} must be {bounds}, got {value!r}") from None
+
+
+_RULES = _field_rules()
 
 
 class LocalKV:

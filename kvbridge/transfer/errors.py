@@ -14,6 +14,8 @@ Hierarchy::
         PeerUnreachableError  no connection could be made
         ProtocolError         malformed, truncated, oversized or unexpected bytes
         RejectedError         the peer refused us with a reason code
+          LeaseRefusedError   ... a lease renewal (fails the read that asked)
+        ReplyPendingError     a second wait for a reply already awaited on a link
       ConfigError
         MissingPortError      a read needs a remote rank its per-rank port list lacks
 """
@@ -53,6 +55,21 @@ class RejectedError(TransferError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"rejected ({reason}): {message}")
         self.reason = reason
+
+
+class LeaseRefusedError(RejectedError):
+    """The server refused to renew the grant of one read (``Reject(renewal=True)``).
+
+    Fails that read alone; the link and its other reads go on.
+    """
+
+
+class ReplyPendingError(TransferError):
+    """A request would wait for a reply that another request on the link already awaits.
+
+    Raised before anything is sent; the first waiter keeps the reply. Means two
+    reads in flight drew one xfer id, or one read renewed its grant twice at once.
+    """
 
 
 class MissingPortError(ConfigError):

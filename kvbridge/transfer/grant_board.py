@@ -131,16 +131,15 @@ class GrantBoard:
             pass
 
     def publish(self, token: str, block_ids: Sequence[int], deadline_in_s: float,
-                prompt_digest: bytes | None, name: str | None = None) -> bool:
+                prompt_digest: bytes | None) -> bool:
         """Put a live grant on the board; False (not on it) when it does not fit.
 
-        ``token`` keys it here (``renew``, ``withdraw``); readers look it up by
-        ``name``, the token they present (default ``token``; an engine-chosen
-        alias otherwise).
+        ``token`` is the grant's one token: readers look it up by the token they
+        present, and it keys ``renew`` and ``withdraw``.
         """
         if len(block_ids) > MAX_BLOCKS or any(b > _MAX_ID for b in block_ids):
             return False
-        digest = token_digest(token if name is None else name)
+        digest = token_digest(token)
         home = home_slot(digest, self.num_slots)
         free = np.flatnonzero(~self._used[home : home + WINDOW])
         if free.size == 0:

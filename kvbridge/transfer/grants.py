@@ -34,12 +34,18 @@ count is known are kept and counted then.
 Times are the table's ``Clock`` (monotonic, local to this process). Tell a peer
 how long it has (``expires_at - clock.now()``), never the ``expires_at`` value.
 
-Tokens are ``secrets.token_urlsafe(16)``: 128 random bits as a 22-character
-JSON-safe ``str``. Lookup is a dict lookup by token. That does not leak a token
-through timing: ``str`` hashing is SipHash with a per-process random key, so the
-bucket a guess lands in tells nothing about live tokens, and string equality runs
-only after a full 64-bit hash match, which a wrong guess practically never
-reaches. Guessing a live token succeeds with probability about 2**-128 per try.
+A grant has one token, the one readers present: the issuer's (an engine picks one
+per request and shares it across its ranks, ``issue(token=...)``: 16 to 256
+characters, unique among live and remembered grants, and unguessable, e.g.
+``secrets.token_urlsafe(16)``), or else the table's own ``secrets.token_urlsafe(16)``:
+128 random bits as a 22-character JSON-safe ``str``. Every method looks a grant
+up by that token. Lookup is a dict lookup by token, after a length check (a
+peer's string of any other length is unknown without being hashed). That does
+not leak a token through timing: ``str`` hashing is SipHash with a per-process
+random key, so the bucket a guess lands in tells nothing about live tokens, and
+string equality runs only after a full 64-bit hash match, which a wrong guess
+practically never reaches. Guessing a live 128-bit token succeeds with
+probability about 2**-128 per try.
 
 Thread safety: every public method takes one internal lock and does no I/O and
 no callbacks under it (``on_release`` runs after it is let go), so the agent's
@@ -83,7 +89,9 @@ ReleaseReason = Literal["done", "expired", "revoked"]
 
 TOKEN_NBYTES = 16
 MAX_DIGEST_NBYTES = 64
-TOKEN_LEN = len(secrets.token_urlsafe(TOKEN_NBYTES))  # 22 characters
+TOKEN_LEN = len(secrets.token_urlsafe(TOKEN_NBYTES))  # 22 characters: the table's own
+MIN_TOKEN_LEN = 16  # an issuer's token (see the module doc)
+MAX_TOKEN_LEN = 256  # as long as the wire lets a grant name be (``wire.Name``)
 _NUM_IDS_IN_MESSAGE = 8
 
 
@@ -104,7 +112,7 @@ class BlockNotGrantedError(GrantError):
 
 
 class DuplicateGrantError(GrantError):
-    """A live grant already exists for this request id."""
+    """A live grant already exists for this request id, or has (or had) this token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +155,11 @@ class _Entry:
     reader_failed: dict[str, bool] = field(default_factory=dict)  # reader id -> failed?
     num_active_reads: int = 0
     closing: ReleaseReason | None = None  # set once; released when no reads are in flight
+
+
+def _token_len_ok(token: str) -> bool:
+    """Whether a grant may have this token's length (checked before hashing a peer's)."""
+    return MIN_TOKEN_LEN <= len(token) <= MAX_TOKEN_LEN
 
 
 def _short(token: str) -> str:
@@ -232,9 +245,9 @@ class GrantTable:
         num_expected_readers: int | None,
         lease_s: float | None = None,
         prompt_digest: bytes | None = None,
-        alias: str | None = None,
+        token: str | None = None,
     ) -> Grant:
-        """Hold ``block_ids`` for ``request_id`` under a new random token.
+        """Hold ``block_ids`` for ``request_id`` under ``token`` (default: a new random one).
 
         Args:
             request_id: the request on P; at most one live grant per request.
@@ -244,17 +257,21 @@ class GrantTable:
             lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
             prompt_digest: ``security.prompt_digest`` of the prompt the blocks hold;
                 the server refuses reads naming another prompt. None: unbound.
-            alias: the token readers will present instead of the table's (the
-                agent maps it); only the grant board (``attach_board``) uses it.
+            token: the token readers will present, chosen by the issuer (an engine
+                shares one across its ranks); it must be unguessable. None: the
+                table draws one (a 22-character url-safe ``str``).
 
         Returns:
-            The new grant (``token`` is a 22-character url-safe ``str``).
+            The new grant; ``token`` is the one every other method takes.
 
         Raises:
             ConfigError: empty request id, ``num_expected_readers < 1``, a bad lease,
-                or negative / repeated block ids.
+                negative / repeated block ids, or a ``token`` that is not a ``str``
+                of ``MIN_TOKEN_LEN`` to ``MAX_TOKEN_LEN`` characters.
             TypeError: a block id is not an integer.
-            DuplicateGrantError: ``request_id`` already has a live grant.
+            DuplicateGrantError: ``request_id`` already has a live grant, or
+                ``token`` names a live grant or a released one still remembered
+                (a late read of that one must not open this one).
         """
         if not request_id:
             raise ConfigError("request_id must be a non-empty string")
@@ -264,6 +281,10 @@ class GrantTable:
             raise ConfigError(
                 f"prompt_digest must have 1..{MAX_DIGEST_NBYTES} bytes, got {len(prompt_digest)}"
             )
+        if token is not None and not (isinstance(token, str) and _token_len_ok(token)):
+            length = len(token) if isinstance(token, str) else type(token).__name__
+            raise ConfigError(f"grant token must have >= {MIN_TOKEN_LEN} and <= {MAX_TOKEN_LEN} "
+                              f"characters, got {length}")
         lease = self._default_lease_s if lease_s is None else lease_s
         _check_lease(lease)
         ids = tuple(operator.index(b) for b in block_ids)
@@ -276,15 +297,20 @@ class GrantTable:
         with self._lock:
             if request_id in self._token_by_request:
                 raise DuplicateGrantError(f"request {request_id!r} already has a live grant")
-            token = secrets.token_urlsafe(TOKEN_NBYTES)
-            while token in self._entries or token in self._tombstones:  # ~never
+            if token is None:
                 token = secrets.token_urlsafe(TOKEN_NBYTES)
+                while token in self._entries or token in self._tombstones:  # ~never
+                    token = secrets.token_urlsafe(TOKEN_NBYTES)
+            elif token in self._entries or token in self._tombstones:
+                raise DuplicateGrantError(
+                    f"token {_short(token)} of request {request_id!r} is (or was) another "
+                    f"grant's"
+                )
             expires_at = self._clock.now() + min(lease, self._max_lease_s)
             grant = Grant(token, request_id, ids, expires_at, num_expected_readers, prompt_digest)
             self._entries[token] = _Entry(grant, block_set)
             if self._board is not None:
-                self._board.publish(token, ids, expires_at - self._clock.now(), prompt_digest,
-                                    alias)
+                self._board.publish(token, ids, expires_at - self._clock.now(), prompt_digest)
             self._token_by_request[request_id] = token
             self._push_expiry(expires_at, token)
             self._num_held_blocks += len(ids)
@@ -376,7 +402,7 @@ class GrantTable:
         if num_expected_readers < 1:
             raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
         with self._releasing():
-            entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
+            entry = self._entries.get(token) if _token_len_ok(token) else None
             if entry is None:
                 raise UnknownGrantError(f"no grant with token {_short(token)}")
             if entry.grant.num_expected_readers is not None:
@@ -387,7 +413,7 @@ class GrantTable:
 
     def is_known(self, token: str) -> bool:
         """Whether ``token`` names a grant that is live or was released (and remembered)."""
-        if len(token) != TOKEN_LEN:
+        if not _token_len_ok(token):
             return False
         with self._lock:
             return token in self._entries or token in self._tombstones
@@ -555,7 +581,7 @@ class GrantTable:
         return entry
 
     def _live_entry(self, token: str, now: float) -> _Entry:
-        if len(token) != TOKEN_LEN:  # before hashing an arbitrary peer string
+        if not _token_len_ok(token):  # before hashing an arbitrary peer string
             raise UnknownGrantError(f"no grant with token {_short(token)}")
         entry = self._entries.get(token)
         if entry is None:
@@ -580,9 +606,9 @@ class GrantTable:
         if not reader_id:
             raise ConfigError("reader_id must be a non-empty string")
         with self._releasing():
-            entry = self._entries.get(token) if len(token) == TOKEN_LEN else None
+            entry = self._entries.get(token) if _token_len_ok(token) else None
             if entry is None:
-                if len(token) == TOKEN_LEN and token in self._tombstones:
+                if _token_len_ok(token) and token in self._tombstones:
                     return False
                 raise UnknownGrantError(f"no grant with token {_short(token)}")
             if reader_id not in entry.reader_failed:

@@ -62,11 +62,18 @@ async def reject(
     reason: wire.RejectReason,
     message: str,
     xfer_id: int = 0,
+    *,
+    renewal: bool = False,
 ) -> None:
-    """Tell the peer why; log it. Failure to deliver is only logged."""
-    logger.info("rejecting %s (xfer %d): %s: %s", conn.peer, xfer_id, reason, message)
+    """Tell the peer why; log it. Failure to deliver is only logged.
+
+    ``xfer_id`` 0: the handshake or connection; else read ``xfer_id``, or with
+    ``renewal`` the lease renewal that read asked for.
+    """
+    what = "renewal for xfer" if renewal else "xfer"
+    logger.info("rejecting %s (%s %d): %s: %s", conn.peer, what, xfer_id, reason, message)
     try:
-        await send_msg(conn, codec, wire.Reject(reason, message[:4096], xfer_id), 1.0)
+        await send_msg(conn, codec, wire.Reject(reason, message[:4096], xfer_id, renewal), 1.0)
     except TransferError as exc:  # best effort on a failing peer
         logger.debug("reject to %s not delivered: %s", conn.peer, exc)
 

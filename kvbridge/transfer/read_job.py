@@ -13,6 +13,11 @@ one remote engine::
 A notify-only job (``ReadJob.notify_only``) plans the same way but only sends
 ``ReadDone`` to every planned rank; it has no outcome to collect.
 
+A read that runs longer than ``renew_every_s`` renews its grant's lease every
+``renew_every_s``, naming itself (its xfer id). If the server refuses (the grant
+expired, was revoked or released meanwhile), that read fails with
+``LeaseRefusedError`` once it ends; other reads on the link are not touched.
+
 When the job's plan is cached, has one item and its link is live (every read
 from a peer after the first, with TP alike or D's TP a multiple of P's),
 ``submit`` begins that read on the spot: receives posted and request sent
@@ -49,7 +54,12 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer import wire
 from kvbridge.transfer.config import topology_of
-from kvbridge.transfer.errors import MissingPortError, RejectedError, TransferError
+from kvbridge.transfer.errors import (
+    LeaseRefusedError,
+    MissingPortError,
+    RejectedError,
+    TransferError,
+)
 from kvbridge.transfer.reader import BegunRead, ItemResult, PeerLink, ReaderContext
 from kvbridge.transfer.ucx import UcxWorker
 
@@ -336,27 +346,36 @@ class Reads:
             return None
         # The lease covers most reads: start renewing only once one runs that long.
         renewer: list[asyncio.Task[None]] = []
-        due = asyncio.get_running_loop().call_later(
-            self._ctx.config.renew_every_s,
-            lambda: renewer.append(asyncio.create_task(self._renew_while_reading(link, job.grant))),
-        )
+        due: asyncio.TimerHandle | None = None
         try:
-            if started is None:
-                result = await link.read(
-                    item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
-                    job.first_token, job.prompt_digest,
-                )
-            else:
-                result = await link.finish(started[1])
+            begun = started[1] if started is not None else link.begin(
+                item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
+                job.first_token, job.prompt_digest,
+            )
+            xfer_id = begun.request.xfer_id
+            due = asyncio.get_running_loop().call_later(
+                self._ctx.config.renew_every_s,
+                lambda: renewer.append(asyncio.create_task(
+                    self._renew_while_reading(link, job.grant, xfer_id))),
+            )
+            result = await link.finish(begun)
+            refused = _refusal(renewer)
+            if refused is not None:
+                # The read ran to its end (a pinned grant outlives its lease until its
+                # reads end), but the server no longer stands behind the grant.
+                raise refused
         except BaseException:
             if link.alive:
                 with contextlib.suppress(TransferError):
                     await link.notify(job.grant, self.reader_id, False)
             raise
         finally:
-            due.cancel()
+            if due is not None:
+                due.cancel()
             for task in renewer:
                 task.cancel()
+                if task.done() and not task.cancelled():
+                    task.exception()  # a refusal the read's own failure made moot
         self._report_later(link, job, result)
         return result
 
@@ -380,15 +399,24 @@ class Reads:
         self._reports.add(sent)
         sent.add_done_callback(self._reports.discard)
 
-    async def _renew_while_reading(self, link: PeerLink, grant: str) -> None:
-        """Renew now, then every ``renew_every_s`` (started once a read ran that long)."""
+    async def _renew_while_reading(self, link: PeerLink, grant: str, xfer_id: int) -> None:
+        """Renew now, then every ``renew_every_s`` (started once read ``xfer_id`` ran that long).
+
+        Raises:
+            LeaseRefusedError: the server refused; the read fails when it ends
+                (``_refusal``). Any other failure ends the renewals only: a dead
+                link fails the read by itself.
+        """
         cfg = self._ctx.config
         while True:
             try:
-                remaining = await link.renew(grant, cfg.lease_s)
-                logger.debug("renewed grant for %.1fs", remaining)
+                remaining = await link.renew(grant, cfg.lease_s, xfer_id)
+                logger.debug("renewed grant of read %d for %.1fs", xfer_id, remaining)
+            except LeaseRefusedError as exc:
+                logger.info("lease renewal of read %d refused: %s", xfer_id, exc)
+                raise
             except TransferError as exc:
-                logger.info("lease renewal failed: %s", exc)
+                logger.info("lease renewal of read %d failed: %s", xfer_id, exc)
                 return
             await asyncio.sleep(cfg.renew_every_s)
 
@@ -445,3 +473,13 @@ class Reads:
             report.cancel()
         await asyncio.gather(*self._reports, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self._links.values()))
+
+
+def _refusal(renewer: list[asyncio.Task[None]]) -> LeaseRefusedError | None:
+    """The server's refusal to renew a read's grant, if its renewals ended so."""
+    for task in renewer:
+        if task.done() and not task.cancelled():
+            error = task.exception()
+            if isinstance(error, LeaseRefusedError):
+                return error
+    return None

@@ -5,7 +5,14 @@ keeps it while it is healthy, and opens a new one (with a new handshake and
 fresh metadata) once it died. A link runs two tasks: a dispatcher that
 receives every control message and hands replies to their waiters, and a
 heartbeat that pings when the link is idle. A link silent for three heartbeats,
-or any protocol violation, kills the link: every read on it fails at once.
+a message no read can own (a connection-wide ``Reject``, an unknown kind), or
+bytes that may be landing in our memory unasked kill the link: every read on it
+fails at once. An answer that fits no read's expectations (a ``CopyGo`` for a
+staged read, ...) or a refused lease renewal fails only the read concerned.
+
+Waiters are keyed by ``(kind, xfer id)``: ``("data", x)`` for read ``x``'s
+answer, ``("renew", x)`` for the answer to the renewal read ``x`` asked for. One
+waiter per key: a second is refused (``ReplyPendingError``), never swapped in.
 
 Reading one plan item (``read``)::
 
@@ -52,10 +59,12 @@ from kvbridge.transfer.direct import (
     plane_ranges,
 )
 from kvbridge.transfer.errors import (
+    LeaseRefusedError,
     PeerClosedError,
     PeerTimeoutError,
     ProtocolError,
     RejectedError,
+    ReplyPendingError,
     TransferError,
 )
 from kvbridge.transfer.grant_board import BoardSpot
@@ -172,12 +181,13 @@ class PeerLink:
                 match msg:
                     case wire.DataHeader(xfer_id=xfer_id) | wire.CopyGo(xfer_id=xfer_id):
                         self._resolve(("data", xfer_id), msg)
+                    case (wire.Reject(renewal=True, xfer_id=xfer_id)
+                          | wire.LeaseRenewed(xfer_id=xfer_id)):
+                        self._resolve(("renew", xfer_id), msg)
                     case wire.Reject(xfer_id=0, reason=reason, message=text):
-                        raise RejectedError(reason, text)
+                        raise RejectedError(reason, text)  # the server drops us
                     case wire.Reject(xfer_id=xfer_id):
                         self._resolve(("data", xfer_id), msg)
-                    case wire.LeaseRenewed(grant=token):
-                        self._resolve(("renew", hash(token)), msg)
                     case wire.Pong():
                         pass
                     case wire.Bye(reason=reason):
@@ -186,6 +196,30 @@ class PeerLink:
                         raise ProtocolError(f"unexpected {type(msg).__name__} from a server")
         except TransferError as exc:
             self._fail(exc)
+
+    def _expect(self, key: tuple[str, int]) -> asyncio.Future[wire.Message]:
+        """A new future, registered as the one waiter for the reply under ``key``."""
+        future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._claim(key, future)
+        return future
+
+    def _claim(self, key: tuple[str, int], future: asyncio.Future[wire.Message]) -> None:
+        """Register ``future`` as the one waiter under ``key``; the caller sends after.
+
+        Raises:
+            ReplyPendingError: another request still waits under ``key`` (the
+                first waiter keeps it; nothing was sent).
+        """
+        waiting = self._waiters.get(key)
+        if waiting is not None and not waiting.done():
+            raise ReplyPendingError(f"a reply to {key[0]} {key[1]} from {self._conn.peer} "
+                                    f"is already awaited")
+        self._waiters[key] = future
+
+    def _forget(self, key: tuple[str, int], future: asyncio.Future[wire.Message]) -> None:
+        """Drop ``future``'s registration under ``key`` (not a later waiter's)."""
+        if self._waiters.get(key) is future:
+            del self._waiters[key]
 
     def _resolve(self, key: tuple[str, int], msg: wire.Message) -> None:
         future = self._waiters.pop(key, None)
@@ -232,15 +266,16 @@ class PeerLink:
     async def _request(self, key: tuple[str, int], msg: wire.Message) -> wire.Message:
         if self._error is not None:
             raise self._error
-        future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = future
-        await self._send(msg)
+        future = self._expect(key)
         try:
+            await self._send(msg)
             async with asyncio.timeout(self._ctx.config.reply_timeout_s):
                 reply = await future
         except TimeoutError:
             self._fail(PeerTimeoutError(f"no reply to {type(msg).__name__} from {self._conn.peer}"))
             raise self._error from None  # type: ignore[misc]
+        finally:
+            self._forget(key, future)
         if isinstance(reply, wire.Reject):
             raise RejectedError(reply.reason, reply.message)
         return reply
@@ -261,10 +296,25 @@ class PeerLink:
         """
         return self._post(wire.ReadDone(grant, reader_id, True, copied_nbytes))
 
-    async def renew(self, grant: str, lease_s: float) -> float:
-        """Extend the grant's lease; return the seconds the server now grants."""
-        reply = await self._request(("renew", hash(grant)), wire.RenewLease(grant, lease_s))
-        assert isinstance(reply, wire.LeaseRenewed)
+    async def renew(self, grant: str, lease_s: float, xfer_id: int) -> float:
+        """Extend the grant's lease for read ``xfer_id``; return the seconds the server grants.
+
+        Raises:
+            LeaseRefusedError: the server refused (grant unknown, expired or being
+                released): read ``xfer_id`` should fail; the link goes on.
+            ReplyPendingError: a renewal for read ``xfer_id`` is already waiting.
+            ProtocolError: the answer is not a ``LeaseRenewed``.
+            PeerTimeoutError, PeerClosedError: no answer (the link is failed).
+        """
+        renewal = wire.RenewLease(grant, lease_s, xfer_id)
+        try:
+            reply = await self._request(("renew", xfer_id), renewal)
+        except RejectedError as exc:
+            raise LeaseRefusedError(exc.reason, f"renewal for read {xfer_id} refused: {exc}"
+                                    ) from None
+        if not isinstance(reply, wire.LeaseRenewed):  # the dispatcher sends nothing else
+            raise ProtocolError(f"{type(reply).__name__} from {self._conn.peer} answers a "
+                                f"lease renewal")
         return reply.remaining_s
 
     async def read(
@@ -386,7 +436,11 @@ class PeerLink:
         num_blocks = len(request.block_ids)
         num_chunks = math.ceil(num_blocks / chunk_blocks)
         header = await self._request(("data", xfer_id), request)
-        assert isinstance(header, wire.DataHeader)
+        if not isinstance(header, wire.DataHeader):  # nothing is posted yet: this read only
+            if isinstance(header, wire.CopyGo):  # the server pinned the grant: let it go
+                self._copy_done(xfer_id, False)
+            raise ProtocolError(f"{type(header).__name__} from {self._conn.peer} answers "
+                                f"staged read {xfer_id}")
         if (header.num_chunks, header.total_nbytes) != (num_chunks, wire_fmt.nbytes(num_blocks)):
             error = ProtocolError(
                 f"server plans {header.num_chunks} chunks / {header.total_nbytes} bytes, "
@@ -467,7 +521,7 @@ class PeerLink:
                 return copy
         # Ask first, unless helper threads can start copying while we ask.
         ask_first = guess is None or ctx.copier.num_parts(nbytes) == 1
-        self._waiters[copy.key] = reply
+        self._claim(copy.key, reply)
         try:
             if ask_first:
                 self._post(request)
@@ -477,19 +531,19 @@ class PeerLink:
                     meanwhile=None if ask_first else lambda: self._post(request),
                 )
         except BaseException:
-            self._waiters.pop(copy.key, None)
+            self._forget(copy.key, reply)
             raise
         return copy
 
     def _ask(self, copy: _CopyRead) -> None:
         """Ask the server for ``copy`` after all (the board's word did not hold)."""
+        self._claim(copy.key, copy.reply)
         copy.spot = None
         copy.started = time.monotonic()
-        self._waiters[copy.key] = copy.reply
         try:
             self._post(copy.request)
         except BaseException:
-            self._waiters.pop(copy.key, None)
+            self._forget(copy.key, copy.reply)
             raise
 
     async def _finish_copy(self, copy: _CopyRead) -> ItemResult:
@@ -535,7 +589,7 @@ class PeerLink:
             raise
         finally:
             if copy.spot is None:
-                self._waiters.pop(copy.key, None)
+                self._forget(copy.key, copy.reply)
                 # After the outcome is recorded (a few returns up). Also when we gave
                 # up before the go came: it may still come, pinning the grant until
                 # its hold.
@@ -609,8 +663,7 @@ class PeerLink:
             return post_recv_iov(ctx.ucp, self._conn, iov, channels[chunk])
 
         key = ("data", request.xfer_id)
-        refusal: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = refusal
+        refusal = self._expect(key)
         result = ItemResult(ids.size * per_block * span.nbytes, 1 + num_chunks, direct=True)
         direct = _DirectRead(key, refusal, [], channels, result)
         try:
@@ -679,7 +732,7 @@ class PeerLink:
         if direct.settled:
             return
         direct.settled = True
-        self._waiters.pop(direct.key, None)
+        self._forget(direct.key, direct.refusal)
         if error is None:
             return
         for arrived in direct.arrivals:
@@ -699,7 +752,8 @@ class PeerLink:
         copy = begun.copy
         if copy is not None and copy.early is not None:
             Copier.abandon(copy.early)  # it writes into our blocks: wait for it
-        if copy is not None and self._waiters.pop(copy.key, None) is not None:
+        if copy is not None and self._waiters.get(copy.key) is copy.reply:
+            self._forget(copy.key, copy.reply)
             with contextlib.suppress(TransferError):  # the server may unpin at once
                 self._post(wire.CopyDone(copy.request.xfer_id, False))
 

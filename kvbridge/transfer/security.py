@@ -65,9 +65,10 @@ from kvbridge.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 5  # 2: direct reads, prompt-bound grants; 3: same-host copies;
+PROTOCOL_VERSION: int = 6  # 2: direct reads, prompt-bound grants; 3: same-host copies;
 # 4: the grant board (copies without asking); 5: fused K/V caches (fused_kv in TopologyInfo,
-# AgentMetadata and the compat hash)
+# AgentMetadata and the compat hash); 6: a lease renewal names its read (RenewLease and
+# LeaseRenewed carry xfer_id; a refused one is Reject(xfer_id, renewal=True), not xfer_id 0)
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning

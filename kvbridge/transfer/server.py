@@ -24,6 +24,8 @@ stays pinned until the reader's ``CopyDone`` or the hold's end (``_CopyHold``).
 The engine hands the grant token to D before its workers have issued it (the
 token travels in the HTTP answer while the next engine step issues it), so a
 read or done report naming an unknown token waits up to ``grant_wait_s`` for it.
+The token a reader names is the grant table's own key (the engine's token is
+issued as is, ``GrantTable.issue(token=...)``): no second namespace to map.
 The number of readers to expect is only known once D's first reader says who it
 is: each session computes it from its Hello (``num_expected_readers``) and fixes
 it on every grant it touches that was issued without one.
@@ -92,8 +94,6 @@ class ServerContext:
     pool: BufferPool
     executor: Executor
     clock: Clock
-    # Tokens chosen by the engine (shared by all its ranks) -> this table's own.
-    aliases: dict[str, str] = field(default_factory=dict)
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
     ucp: UcpLibrary = field(default_factory=UcpLibrary)
     reports: set[asyncio.Task[None]] = field(default_factory=set)  # done reports waiting
@@ -166,10 +166,10 @@ def grant_issued(ctx: ServerContext) -> None:
     woken.set()
 
 
-async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str:
-    """The table token a reader's grant ``name`` stands for, waiting for it to be issued.
+async def _await_grant(ctx: ServerContext, token: str, num_readers: int) -> None:
+    """Wait for grant ``token`` to be issued.
 
-    Returns the token as soon as the table knows it (live or released), else after
+    Returns as soon as the table knows the token (live or released), else after
     ``grant_wait_s`` (the caller's grant call then raises ``UnknownGrantError``).
     A live grant issued without a reader count gets ``num_readers``. Woken by
     ``grant_issued``; it also looks every ``_GRANT_POLL_S`` (grants issued on the
@@ -177,15 +177,12 @@ async def _resolve_grant(ctx: ServerContext, name: str, num_readers: int) -> str
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.grant_wait_s
-    token = ctx.aliases.get(name, name)
     while not ctx.grants.is_known(token) and (left_s := deadline - loop.time()) > 0:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(left_s, _GRANT_POLL_S)):
                 await ctx.issued.wait()
-        token = ctx.aliases.get(name, name)
     # unknown or released: the grant call that follows says so
     _fix_readers(ctx, token, num_readers)
-    return token
 
 
 def _fix_readers(ctx: ServerContext, token: str, num_readers: int) -> None:
@@ -248,8 +245,8 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     )
                     ctx.reports.add(report)
                     report.add_done_callback(ctx.reports.discard)
-                case wire.RenewLease(grant=token, lease_s=lease_s):
-                    await _renew(ctx, conn, token, lease_s)
+                case wire.RenewLease(grant=token, lease_s=lease_s, xfer_id=xfer_id):
+                    await _renew(ctx, conn, token, lease_s, xfer_id)
                 case wire.Ping(seq=seq):
                     await send_msg(conn, ctx.codec, wire.Pong(seq), cfg.reply_timeout_s)
                 case wire.Bye():
@@ -270,9 +267,9 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
 
 
 async def _reader_done(
-    ctx: ServerContext, name: str, reader_id: str, ok: bool, num_readers: int
+    ctx: ServerContext, token: str, reader_id: str, ok: bool, num_readers: int
 ) -> None:
-    token = await _resolve_grant(ctx, name, num_readers)
+    await _await_grant(ctx, token, num_readers)
     try:
         if ok:
             ctx.grants.reader_done(token, reader_id)
@@ -282,14 +279,21 @@ async def _reader_done(
         logger.info("done report from %s ignored: %s", reader_id, exc)
 
 
-async def _renew(ctx: ServerContext, conn: UcxConnection, token: str, lease_s: float) -> None:
+async def _renew(
+    ctx: ServerContext, conn: UcxConnection, token: str, lease_s: float, xfer_id: int
+) -> None:
+    """Renew ``token`` for the reader's read ``xfer_id``; the answer names that read.
+
+    A refusal (grant unknown, expired or being released) fails that read alone
+    on the reader's side, never the connection (``Reject(renewal=True)``).
+    """
     try:
-        expires_at = ctx.grants.renew(ctx.aliases.get(token, token), lease_s)
+        expires_at = ctx.grants.renew(token, lease_s)
     except grant_errors.GrantError as exc:
-        await reject(conn, ctx.codec, _grant_reason(exc), str(exc))
+        await reject(conn, ctx.codec, _grant_reason(exc), str(exc), xfer_id, renewal=True)
         return
     remaining = max(0.0, expires_at - ctx.clock.now())
-    reply = wire.LeaseRenewed(token, remaining)
+    reply = wire.LeaseRenewed(token, remaining, xfer_id)
     await send_msg(conn, ctx.codec, reply, ctx.config.reply_timeout_s)
 
 
@@ -353,7 +357,8 @@ async def _serve_read(
         reads.pop(req.xfer_id, None)
         await reject(conn, ctx.codec, R.BAD_REQUEST, problem, req.xfer_id)
         return
-    token = await _resolve_grant(ctx, req.grant, num_readers)
+    token = req.grant
+    await _await_grant(ctx, token, num_readers)
     refusal = _pin(ctx, token, req)
     if refusal is not None:
         reads.pop(req.xfer_id, None)
@@ -459,7 +464,7 @@ def _start_direct(
         return False
     if _problem(ctx, req) is not None:
         return False
-    token = ctx.aliases.get(req.grant, req.grant)
+    token = req.grant
     if not ctx.grants.is_known(token):
         return False
     _fix_readers(ctx, token, num_readers)

@@ -10,6 +10,11 @@ Shared by :mod:`kvbridge.transfer.iov` (tagged messages gathered from / scattere
 lists of memory ranges) and :mod:`kvbridge.transfer.ucx` (tagged control
 frames, progress). Every function here runs on the handles ucxx created, in the
 same libucp ucxx loaded.
+
+The structs below are written by hand from UCX's headers, which ctypes cannot
+check: loading refuses a libucp outside ``SUPPORTED_UCP`` (``check_ucp_version``),
+so a UCX whose layouts may differ fails at start with both versions named
+instead of corrupting requests.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferError
 
 __all__ = [
     "DATATYPE_IOV",
     "OP_DATATYPE",
+    "SUPPORTED_UCP",
     "UCS_INPROGRESS",
     "UCS_OK",
     "RequestParam",
@@ -30,8 +37,17 @@ __all__ = [
     "UcpError",
     "UcpLibrary",
     "UcpRequest",
+    "check_ucp_version",
     "ptr_status",
 ]
+
+#: libucp versions ``[low, high)`` as (major, minor) that the structs below were
+#: written for. ``RequestParam`` and ``TagRecvInfo`` follow UCX 1.21's ``ucp.h``
+#: (tested with libucx 1.21.0); the range is what libucxx 0.52, the ucxx pinned in
+#: pyproject.toml, accepts (libucx >= 1.19, < 1.22). UCX only appends fields to
+#: ``ucp_request_param_t`` and reads one only when its ``op_attr_mask`` bit is set,
+#: so a newer libucp would likely work too, but it is refused until checked.
+SUPPORTED_UCP: tuple[tuple[int, int], tuple[int, int]] = ((1, 19), (1, 22))
 
 UCS_OK, UCS_INPROGRESS = 0, 1
 UCS_ERR_LAST = -100
@@ -89,6 +105,30 @@ def _find_library(stem: str) -> str:
     return str(Path(libucx.__file__).parent / "lib" / f"{stem}.so")
 
 
+def check_ucp_version(
+    found: tuple[int, int, int],
+    supported: tuple[tuple[int, int], tuple[int, int]] = SUPPORTED_UCP,
+) -> None:
+    """Refuse a libucp whose version is outside ``supported`` (``[low, high)``, major.minor).
+
+    Args:
+        found: ``(major, minor, release)`` as ``ucp_get_version`` reports it.
+        supported: the range to accept; default the one the structs were written for.
+
+    Raises:
+        ConfigError: outside the range; the message names both versions.
+    """
+    low, high = supported
+    if not low <= found[:2] < high:
+        raise ConfigError(
+            f"libucp {'.'.join(map(str, found))} is outside [{low[0]}.{low[1]}, "
+            f"{high[0]}.{high[1]}), the versions kvbridge's hand-written libucp structs "
+            f"(kvbridge/transfer/ucp_lib.py) were written for: install a libucx-cu12 in that "
+            f"range (the one the pinned ucxx-cu12 asks for), or check the structs against the "
+            f"new ucp.h and widen SUPPORTED_UCP"
+        )
+
+
 class UcpLibrary:
     """The libucp/libucs functions this module calls, with their C signatures.
 
@@ -96,8 +136,12 @@ class UcpLibrary:
         ucp_path: libucp to load; default the one ucxx already loaded (it must be
             the same library: the handles are only meaningful to it).
 
+    Attributes:
+        version: ``(major, minor, release)`` of the loaded libucp.
+
     Raises:
         OSError: the library cannot be loaded.
+        ConfigError: its version is outside ``SUPPORTED_UCP``.
     """
 
     def __init__(self, ucp_path: str | None = None) -> None:
@@ -108,6 +152,13 @@ class UcpLibrary:
         ucp = ctypes.CDLL(ucp_path or _find_library("libucp"))
         ucs = ctypes.CDLL(_find_library("libucs"))
         ptr = ctypes.POINTER
+        uint = ctypes.c_uint
+        get_version = _fn(ucp.ucp_get_version, None, ptr(uint), ptr(uint), ptr(uint))
+        parts = [uint(), uint(), uint()]
+        get_version(*(ctypes.byref(part) for part in parts))
+        major, minor, release = (part.value for part in parts)
+        self.version = (major, minor, release)
+        check_ucp_version(self.version)
         tag_args = (vp, vp, sz, u64)
         self.tag_send_nbx = _fn(ucp.ucp_tag_send_nbx, vp, *tag_args, ptr(RequestParam))
         self.tag_recv_nbx = _fn(ucp.ucp_tag_recv_nbx, vp, *tag_args, u64, ptr(RequestParam))

@@ -3,7 +3,8 @@
 Used only by the transfer agent, from the agent's own event-loop thread (every
 method must be called on that loop). It turns UCX requests into asyncio futures,
 puts a deadline on every network wait, maps UCX failures onto
-:mod:`kvbridge.transfer.errors`, and logs one debug line per operation.
+:mod:`kvbridge.transfer.errors` (ucxx's by their ``ucxx.exceptions`` type,
+libucp's by status code in ``ucp_lib``), and logs one debug line per operation.
 
 Why the low-level API: endpoints here are created with UCX *peer error handling
 off*, because with it on UCX refuses shared memory / CMA zero-copy between
@@ -59,6 +60,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import ucxx._lib.libucxx as ucx_api
+import ucxx.exceptions as ucx_exc
 from ucxx._lib.arr import Array
 
 from kvbridge.transfer.errors import (
@@ -98,13 +100,26 @@ Bytes = npt.NDArray[np.uint8]
 ConnectHandler = Callable[["UcxConnection"], Awaitable[None]]
 
 
+#: ucxx's exception types (``ucxx.exceptions``, one per UCS status) -> ours, first match.
+_UCX_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[TransferError], str], ...] = (
+    ((ucx_exc.UCXCanceledError,), PeerClosedError, "canceled"),
+    ((ucx_exc.UCXMessageTruncatedError,), ProtocolError, "message larger than the posted buffer"),
+    ((ucx_exc.UCXConnectionResetError, ucx_exc.UCXNotConnectedError, ucx_exc.UCXCloseError,
+      ucx_exc.UCXFirstEndpointFailureError, ucx_exc.UCXLastEndpointFailureError,
+      ucx_exc.UCXFirstLinkFailureError, ucx_exc.UCXLastLinkFailureError),
+     PeerClosedError, "connection lost"),
+    ((ucx_exc.UCXUnreachableError, ucx_exc.UCXRejectedError), PeerUnreachableError,
+     "peer unreachable"),
+    ((ucx_exc.UCXTimedOutError, ucx_exc.UCXEndpointTimeoutError), PeerTimeoutError, "timed out"),
+)
+
+
 def _map_ucx_error(exc: Exception, what: str) -> TransferError:
-    name = type(exc).__name__
-    if "Cancel" in name:
-        return PeerClosedError(f"{what}: canceled ({exc})")
-    if "Truncated" in name:
-        return ProtocolError(f"{what}: message larger than the posted buffer ({exc})")
-    return TransferError(f"{what}: {name}: {exc}")
+    """Our typed error for an exception ucxx raised (by type; anything else: TransferError)."""
+    for kinds, error, text in _UCX_ERRORS:
+        if isinstance(exc, kinds):
+            return error(f"{what}: {text} ({type(exc).__name__}: {exc})")
+    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def _ignore_outcome(future: asyncio.Future[None]) -> None:
@@ -401,7 +416,8 @@ class UcxWorker:
         """Open a connection to a listening ``UcxWorker``.
 
         Raises:
-            PeerUnreachableError: UCX could not create the endpoint.
+            PeerUnreachableError: UCX could not create the endpoint, or it never
+                connected (e.g. nobody listens on ``port``).
             PeerTimeoutError: the peer did not answer within ``timeout_s``.
             ProtocolError: the peer is not a kvbridge UCX listener.
         """
@@ -414,6 +430,9 @@ class UcxWorker:
             magic, remote_id = await conn.swap_ids(listener_side=False, timeout_s=timeout_s)
             if magic != _MAGIC or not 0 < remote_id < (1 << _ID_BITS):
                 raise ProtocolError(f"{host}:{port} is not a kvbridge agent (greeting {magic!r})")
+        except PeerClosedError as exc:  # e.g. nobody listens there: never connected
+            conn.abort()
+            raise PeerUnreachableError(f"cannot reach {host}:{port}: {exc}") from exc
         except TransferError:
             conn.abort()
             raise

@@ -30,7 +30,9 @@ Same host (``local_copy.py``; offered in ``AgentMetadata.host``)::
     R       reads the board, copies, reads the board again (the grant stayed live)
     R -> S  ReadDone(..., copied_nbytes)   the bytes so copied, for S's counters
 
-    R -> S  RenewLease(grant, lease_s)   S -> R LeaseRenewed(grant, remaining_s)
+    R -> S  RenewLease(grant, lease_s, xfer_id)    renews the grant of read xfer_id
+    S -> R  LeaseRenewed(grant, remaining_s, xfer_id)
+            or Reject(xfer_id, reason, renewal=True): that read fails, the link goes on
     either  Ping(seq) / Pong(seq)         heartbeats on idle connections
     either  Bye(reason)                   graceful close
 """
@@ -181,9 +183,18 @@ class AgentMetadata(_Msg, tag="metadata"):
 
 
 class Reject(_Msg, tag="reject"):
+    """A refusal: of the handshake or connection (``xfer_id`` 0), of read ``xfer_id``,
+    or (``renewal``) of the lease renewal read ``xfer_id`` asked for.
+
+    Only ``xfer_id`` 0 without ``renewal`` ends the connection. Protocol 5 answered
+    a refused renewal with ``xfer_id`` 0, which the reader had to take as the end
+    of the link (every read on it failed); protocol 6 names the read instead.
+    """
+
     reason: RejectReason
     message: Annotated[str, msgspec.Meta(max_length=4096)]
     xfer_id: Count = 0  # 0: the handshake/connection, else the read concerned
+    renewal: bool = False  # True: refuses read xfer_id's RenewLease, not the read itself
 
 
 class ReadRequest(_Msg, tag="read"):
@@ -250,14 +261,25 @@ class ReadDone(_Msg, tag="done"):
     copied_nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)] = 0
 
 
+# Wire compatibility of the renewal ids (protocol 6): messages are decoded with
+# forbid_unknown_fields and every field is sent, so a peer of protocol 5 could not
+# decode these messages, nor a 6 peer its RenewLease without ``xfer_id``. That is
+# fine because they never meet: the handshake refuses a Hello of another
+# version (``security.PROTOCOL_VERSION``) before any read or renewal is sent.
 class RenewLease(_Msg, tag="renew"):
+    """Extend ``grant``'s lease for read ``xfer_id`` of this link (which the answer names)."""
+
     grant: Name
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+    xfer_id: XferId
 
 
 class LeaseRenewed(_Msg, tag="renewed"):
+    """The renewal read ``xfer_id`` asked for went through: ``remaining_s`` left."""
+
     grant: Name
     remaining_s: Seconds
+    xfer_id: XferId
 
 
 class Ping(_Msg, tag="ping"):

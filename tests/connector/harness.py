@@ -30,9 +30,10 @@ from kvbridge.connector.scheduler import ConnectorScheduler, LoadFailurePolicy, 
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.layout import KVLayout
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import KVCacheManager
 from kvbridge.paged.request import Request
-from kvbridge.paged.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvbridge.paged.spec import FullAttentionSpec
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer.agent import AgentConfig
 from kvbridge.transfer.security import CompatInfo

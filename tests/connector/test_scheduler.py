@@ -18,8 +18,9 @@ from kvbridge.connector.scheduler import ConnectorScheduler, KVLoadError
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvbridge.paged.spec import FullAttentionSpec
 from kvbridge.topology import EngineTopology
 from tests.connector.harness import DTYPE, HASH_SEED, EngineRequest
 
@@ -311,14 +312,14 @@ def test_prometheus_exposition() -> None:
         num_transfers=2, nbytes=4096, durations_s=[0.003, 0.2], num_failures=1)))
     text = conn.get_stats().to_prometheus("kvb")
     lines = text.splitlines()
-    assert "kvb_kv_transfers_total 2" in lines
-    assert "kvb_kv_transfer_bytes_total 4096" in lines
-    assert "kvb_kv_transfer_failures_total 1" in lines
-    assert "kvb_kv_held_blocks 3" in lines
-    assert 'kvb_kv_transfer_seconds_bucket{le="0.0025"} 0' in lines
-    assert 'kvb_kv_transfer_seconds_bucket{le="0.005"} 1' in lines
-    assert 'kvb_kv_transfer_seconds_bucket{le="0.25"} 2' in lines
-    assert 'kvb_kv_transfer_seconds_bucket{le="+Inf"} 2' in lines
-    assert "kvb_kv_transfer_seconds_count 2" in lines
+    assert "kvb_kv_transfers_total 2.0" in lines  # prometheus_client writes floats
+    assert "kvb_kv_transfer_bytes_total 4096.0" in lines
+    assert "kvb_kv_transfer_failures_total 1.0" in lines
+    assert "kvb_kv_held_blocks 3.0" in lines
+    assert 'kvb_kv_transfer_seconds_bucket{le="0.0025"} 0.0' in lines
+    assert 'kvb_kv_transfer_seconds_bucket{le="0.005"} 1.0' in lines
+    assert 'kvb_kv_transfer_seconds_bucket{le="0.25"} 2.0' in lines
+    assert 'kvb_kv_transfer_seconds_bucket{le="+Inf"} 2.0' in lines
+    assert "kvb_kv_transfer_seconds_count 2.0" in lines
     assert "# TYPE kvb_kv_transfer_seconds histogram" in lines
     assert text.endswith("\n")

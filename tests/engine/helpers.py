@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvbridge.engine.config import get_model_config
+from kvbridge.engine.model_config import get_model_config
 from kvbridge.engine.runner import ModelRunner, RequestStep, StepBatch
-from kvbridge.engine.sampling import SamplingParams
+from kvbridge.engine.sampling import SamplerParams
 from kvbridge.engine.workers import WorkerGroup
 
 TINY = get_model_config("tiny")
@@ -33,7 +33,7 @@ def generate(
     *,
     chunk: int | None = None,
     start_pos: int = 0,
-    sampling: SamplingParams | None = None,
+    sampling: SamplerParams | None = None,
     req_id: str = "r",
 ) -> list[int]:
     """Prefill ``prompt[start_pos:]`` (in chunks of ``chunk``) then decode greedily.
@@ -41,7 +41,7 @@ def generate(
     Returns:
         ``num_tokens`` generated tokens (the first one sampled after the prompt).
     """
-    params = sampling or SamplingParams()
+    params = sampling or SamplerParams()
     chunk = chunk or len(prompt)
     pos = start_pos
     out: list[int] = []

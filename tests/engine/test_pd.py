@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 
 from kvbridge.connector.params import KVTransferParams
@@ -63,7 +64,7 @@ PROMPTS: list[list[int]] = [
 
 def make_engine(name: str) -> LLMEngine:
     tp_size, block_size, layout, policy = ENGINES[name]
-    agent = dataclasses.replace(FAST, local_copy_min_nbytes=0) if name in COPYING else FAST
+    agent = msgspec.structs.replace(FAST, local_copy_min_nbytes=0) if name in COPYING else FAST
     connector = ConnectorSettings(engine_id=f"engine-{name}",
                                   transfer_base_port=free_port_base(tp_size), agent=agent,
                                   load_failure_policy=policy)

@@ -11,7 +11,7 @@ from kvbridge.engine.runner import (
     StepBatch,
     kv_block_nbytes,
 )
-from kvbridge.engine.sampling import SamplingParams
+from kvbridge.engine.sampling import SamplerParams
 from kvbridge.layout import KVLayout
 from tests.engine.helpers import PROMPTS, TINY, generate
 
@@ -138,12 +138,12 @@ def test_the_cache_really_is_the_context(reference: list[list[int]], lost: str) 
 
 
 def test_seeded_sampling_is_reproducible_and_survives_a_split() -> None:
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    params = SamplerParams(temperature=1.0, top_p=0.9, seed=42)
     prompt = PROMPTS[2]
     rows = blocks_for(len(prompt) + NUM_NEW, 16)
     colocated = generate(make_runner(), prompt, rows, NUM_NEW, sampling=params)
     assert generate(make_runner(), prompt, rows, NUM_NEW, sampling=params) == colocated
-    other = SamplingParams(temperature=1.0, top_p=0.9, seed=43)
+    other = SamplerParams(temperature=1.0, top_p=0.9, seed=43)
     assert generate(make_runner(), prompt, rows, NUM_NEW, sampling=other) != colocated
     prefill, decode = make_runner(), make_runner()
     first = generate(prefill, prompt, rows, 1, sampling=params)

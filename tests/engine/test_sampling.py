@@ -8,7 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from kvbridge.engine.sampling import SamplingParams, sample, token_seed, top_p_filter
+from kvbridge.engine.request import SamplingParams
+from kvbridge.engine.sampling import SamplerParams, sample, token_seed, top_p_filter
 
 
 def unseeded() -> torch.Generator:
@@ -21,13 +22,13 @@ def random_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax() -> None:
     logits = random_logits(6)
-    tokens = sample(logits, [SamplingParams()] * 6, list(range(6)), unseeded())
+    tokens = sample(logits, [SamplerParams()] * 6, list(range(6)), unseeded())
     assert tokens == logits.argmax(-1).tolist()
 
 
 def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
     logits = random_logits(1)
-    params = SamplingParams(temperature=1.5, seed=7)
+    params = SamplerParams(temperature=1.5, seed=7)
     alone = [sample(logits, [params], [pos], unseeded())[0] for pos in range(40)]
     # Same request at the same positions, now behind other rows and with another
     # unseeded generator state: identical tokens.
@@ -35,7 +36,7 @@ def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
     batched = [
         sample(
             torch.cat([others, logits]),
-            [SamplingParams(temperature=1.0)] * 3 + [params],
+            [SamplerParams(temperature=1.0)] * 3 + [params],
             [5, 6, 7, pos],
             torch.Generator().manual_seed(pos),
         )[3]
@@ -44,7 +45,7 @@ def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
     assert batched == alone
     assert len(set(alone)) > 5  # really random, not greedy
     other_seed = [
-        sample(logits, [SamplingParams(temperature=1.5, seed=8)], [pos], unseeded())[0]
+        sample(logits, [SamplerParams(temperature=1.5, seed=8)], [pos], unseeded())[0]
         for pos in range(40)
     ]
     assert other_seed != alone
@@ -52,7 +53,7 @@ def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
 
 def test_seeded_draws_follow_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.75, 0.25]]))
-    params = SamplingParams(temperature=1.0, seed=3)
+    params = SamplerParams(temperature=1.0, seed=3)
     draws = [sample(logits, [params], [pos], unseeded())[0] for pos in range(2000)]
     assert abs(draws.count(0) / len(draws) - 0.75) < 0.04
 
@@ -70,20 +71,31 @@ def test_top_p_filter_keeps_the_smallest_top_set() -> None:
     assert top_p_filter(probs, 1.0) is probs
     # Tiny top_p makes seeded sampling greedy.
     logits = random_logits(4)
-    params = [SamplingParams(temperature=1.0, top_p=1e-6, seed=s) for s in range(4)]
+    params = [SamplerParams(temperature=1.0, top_p=1e-6, seed=s) for s in range(4)]
     assert sample(logits, params, [0, 1, 2, 3], unseeded()) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("params_type", [SamplerParams, SamplingParams])
 @pytest.mark.parametrize(
     "kwargs", [{"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}]
 )
-def test_invalid_params_raise(kwargs: dict[str, Any]) -> None:
+def test_invalid_params_raise(
+    params_type: type[SamplerParams | SamplingParams], kwargs: dict[str, Any]
+) -> None:
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        params_type(**kwargs)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(msgspec.json.encode(kwargs), type=SamplingParams)
+        msgspec.json.decode(msgspec.json.encode(kwargs), type=params_type)
+
+
+def test_request_params_give_the_sampler_its_fields_only() -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=3, ignore_eos=True)
+    assert params.sampler_params() == SamplerParams(temperature=0.7, top_p=0.9, seed=5)
+    assert not isinstance(params, SamplerParams)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
 
 
 def test_row_count_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="2 logit rows"):
-        sample(random_logits(2), [SamplingParams()], [0, 1], unseeded())
+        sample(random_logits(2), [SamplerParams()], [0, 1], unseeded())

@@ -20,8 +20,9 @@ from kvbridge.engine.runner import StepLimits
 from kvbridge.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbridge.errors import ConfigError
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvbridge.paged.spec import FullAttentionSpec
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import SamplingParams
-from kvbridge.engine.server import _TextStream, build_app
 from kvbridge.engine.tokenizer import ByteTokenizer
+from kvbridge.serving.server import _TextStream, build_app
 from tests.engine.helpers import MICRO
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.engine.config import get_model_config
+from kvbridge.engine.model_config import get_model_config
 from kvbridge.engine.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer.for_model(get_model_config("tiny"))

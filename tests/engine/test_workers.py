@@ -18,9 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.model_config import ModelConfig
 from kvbridge.engine.runner import InvalidStepError, ModelRunner, RequestStep, StepBatch
-from kvbridge.engine.workers import WorkerError, WorkerGroup, WorkerGroupConfig
+from kvbridge.engine.worker_ipc import (
+    CallExtension,
+    Done,
+    Failed,
+    UnknownMethodError,
+    WorkerError,
+    WorkerGroupConfig,
+    WorkerProtocolError,
+)
+from kvbridge.engine.workers import WorkerGroup, _ProcessRank
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout
 from tests.engine.helpers import MQA, PROMPTS, TINY, generate
@@ -105,6 +114,8 @@ def test_info_and_extension_see_each_ranks_cache(tp2: WorkerGroup) -> None:
     assert [i.kv_heads for i in infos] == [(0, 4), (4, 8)]
     assert infos[0].kv_cache_shape == (2, 48, 4, 16, TINY.head_dim)  # HND, 4 local heads
     assert len({i.pid for i in infos}) == 2 and os.getpid() not in {i.pid for i in infos}
+    assert all(i.extension_methods == ("block_checksum", "describe", "fail", "fill_block")
+               for i in infos)
     described = tp2.call("describe")
     assert [d["rank"] for d in described] == [0, 1]
     assert all(d["config"] == {"engine_id": "p0"} for d in described)
@@ -119,11 +130,49 @@ def test_errors_in_calls_propagate_and_the_group_survives(tp2: WorkerGroup) -> N
     with pytest.raises(WorkerError, match="boom") as info:
         tp2.call("fail", "boom")
     assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
-    with pytest.raises(WorkerError, match="no_such_method"):
+    with pytest.raises(UnknownMethodError, match="no public method 'no_such_method'"):
         tp2.call("no_such_method")
+    # Only the class's public callables: no private names, no attributes.
+    for name in ("__class__", "_private", "ctx"):
+        with pytest.raises(UnknownMethodError, match=f"no public method '{name}'"):
+            tp2.call(name)
     with pytest.raises(InvalidStepError, match="cache has 48 blocks"):
         tp2.execute(StepBatch([RequestStep("x", [1], 0, [48])]))
     assert [d["rank"] for d in tp2.call("describe")] == [0, 1]
+
+
+def test_workers_answer_malformed_requests_and_stay_in_step(tp2: WorkerGroup) -> None:
+    ranks = tp2._procs
+    for rank in ranks:
+        rank.conn.send(("call", "describe", (), {}))  # a tuple, not a worker_ipc request
+    for rank in ranks:
+        reply = rank.recv(30.0)
+        assert isinstance(reply, Failed)
+        assert "not a well-formed worker request: tuple" in reply.traceback
+    for rank in ranks:
+        rank.conn.send_bytes(b"not a pickle")
+    for rank in ranks:
+        reply = rank.recv(30.0)
+        assert isinstance(reply, Failed) and "undecodable request" in reply.traceback
+    assert [d["rank"] for d in tp2.call("describe")] == [0, 1]
+
+
+def test_a_reply_that_is_not_a_reply_is_a_protocol_error() -> None:
+    parent_end, worker_end = multiprocessing.Pipe()
+    rank = _ProcessRank(multiprocessing.current_process(), parent_end, tp_rank=0)
+    worker_end.send(Done([7]))
+    assert rank.recv(5.0) == Done([7])
+    worker_end.send(("ok", [7]))
+    with pytest.raises(WorkerProtocolError, match="sent tuple, not Done or Failed"):
+        rank.recv(5.0)
+    worker_end.send(Failed(traceback=None))  # type: ignore[arg-type]
+    with pytest.raises(WorkerProtocolError, match="sent Failed"):
+        rank.recv(5.0)
+    worker_end.send_bytes(b"not a pickle")
+    with pytest.raises(WorkerProtocolError, match="undecodable reply"):
+        rank.recv(5.0)
+    parent_end.close()
+    worker_end.close()
 
 
 def test_replicated_kv_heads_then_a_rank_dies() -> None:
@@ -133,6 +182,9 @@ def test_replicated_kv_heads_then_a_rank_dies() -> None:
     group = WorkerGroup(WorkerGroupConfig(MQA, tp_size=2, num_blocks=48, block_size=16))
     try:
         assert [i.kv_heads for i in group.info()] == [(0, 1), (0, 1)]
+        assert [i.extension_methods for i in group.info()] == [(), ()]
+        with pytest.raises(WorkerError, match="no worker extension configured"):
+            group.call("describe")
         got = [generate(group, p, r, NUM_NEW) for p, r in zip(PROMPTS, rows, strict=True)]
         assert got == expected
         pids = [i.pid for i in group.info()]
@@ -171,6 +223,13 @@ def test_in_process_group() -> None:
         tokens = generate(group, PROMPTS[0], [3], 2)
         assert tokens == generate(ModelRunner(TINY, 0, 1, None, 16, 16, "NHD"), PROMPTS[0], [3], 2)
         assert group.call("describe")[0]["rank"] == 0
+        with pytest.raises(UnknownMethodError, match="no public method 'no_such_method'"):
+            group.call("no_such_method")
+        # The rank checks the name too (for requests that skip the group's check).
+        assert group._local is not None
+        reply = group._local.worker.reply(CallExtension("__init__"))
+        assert isinstance(reply, Failed)
+        assert "UnknownMethodError: call('__init__')" in reply.traceback
     with pytest.raises(ConfigError, match="in_process"):
         WorkerGroupConfig(TINY, tp_size=2, num_blocks=4, block_size=16, in_process=True)
 
@@ -179,8 +238,9 @@ def test_workers_exit_when_the_engine_process_dies() -> None:
     script = textwrap.dedent(
         """
         import sys, time
-        from kvbridge.engine.config import get_model_config
-        from kvbridge.engine.workers import WorkerGroup, WorkerGroupConfig
+        from kvbridge.engine.model_config import get_model_config
+        from kvbridge.engine.worker_ipc import WorkerGroupConfig
+        from kvbridge.engine.workers import WorkerGroup
 
         if __name__ == "__main__":
             cfg = WorkerGroupConfig(get_model_config("tiny"), tp_size=1, num_blocks=4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvbridge.engine.workers import WorkerContext
+from kvbridge.engine.rank_worker import WorkerContext
 
 
 class Probe:

@@ -359,13 +359,13 @@ class Served:
 
 
 def start(name: str, host: Host, argv: Sequence[str], log_dir: Path) -> Served:
-    """Start ``python -m kvbridge.serve_cli <argv>`` in ``host`` (UCX over TCP); no wait."""
+    """Start ``python -m kvbridge.cli <argv>`` in ``host`` (UCX over TCP); no wait."""
     log_path = log_dir / f"{name}.log"
     env = {**ucx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "a") as log:
         log.write(f"---- {' '.join(argv)}\n")
         log.flush()
-        proc = host.popen([sys.executable, "-m", "kvbridge.serve_cli", *argv], env=env,
+        proc = host.popen([sys.executable, "-m", "kvbridge.cli", *argv], env=env,
                           stdout=subprocess.PIPE, stderr=log)
     return Served(name, host, list(argv), proc, log_path)
 

@@ -73,6 +73,7 @@ def _child(conn: Any) -> None:
     import logging
 
     from kvbridge.transfer.agent import TransferAgent
+    from kvbridge.transfer.clock import ManualClock
     from kvbridge.transfer.config import AgentConfig
 
     logging.basicConfig(level=logging.ERROR)
@@ -87,6 +88,7 @@ def _child(conn: Any) -> None:
     kvbridge_logger.addHandler(handler)
     kvbridge_logger.propagate = False
     agents: dict[str, tuple[TransferAgent, list[torch.Tensor]]] = {}
+    clocks: dict[str, ManualClock] = {}  # of specs with manual_clock: moved by "advance"
     conn.send(("ok", None))
     while True:
         cmd, name, args = conn.recv()
@@ -100,11 +102,16 @@ def _child(conn: Any) -> None:
             if cmd == "logs":  # and forget them
                 result = list(lines)
                 lines.clear()
+            elif cmd == "advance":  # (seconds,)
+                result = clocks[name].advance(args[0])
             elif cmd == "add":
                 spec = args
+                if spec.manual_clock:
+                    clocks[name] = ManualClock(1000.0)
                 agent = TransferAgent(
                     spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
                     port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config),
+                    clock=clocks.get(name),
                 )
                 caches = make_caches(spec)
                 agent.register_kv_caches(caches)
@@ -379,7 +386,8 @@ class CaseMaker:
                 token = self._token()
             msg = wire.ReadDone(token, self._token(), rng.random() < 0.5)
         elif kind == "renew":
-            msg = wire.RenewLease(self._token(), rng.choice([1e-9, 1.0, 86400.0]))
+            msg = wire.RenewLease(self._token(), rng.choice([1e-9, 1.0, 86400.0]),
+                                  rng.randint(1, wire.MAX_XFER_ID))
         elif kind == "ping":
             msg = wire.Ping(rng.randrange(1 << 31))
         else:  # bytes on a data channel the agent never receives on (eager-sized:
@@ -459,7 +467,7 @@ _SAMPLES: list[msgspec.Struct] = [
     wire.ReadRequest(7, "t" * TOKEN_LEN, [1, 5], 0, 4, 0, 2, 16),
     wire.Credit(7, 2),
     wire.ReadDone("t" * TOKEN_LEN, "d:0", False),
-    wire.RenewLease("t" * TOKEN_LEN, 30.0),
+    wire.RenewLease("t" * TOKEN_LEN, 30.0, 7),
     wire.Ping(1),
     wire.Bye("x"),
     wire.TopologyInfo(1, 1, 16, 8, False, "NHD", 4),  # not a message at all
@@ -470,7 +478,7 @@ _SERVER_ONLY: list[wire.Message] = [
     wire.Reject(R.AUTH, "no", 0),
     wire.DataHeader(3, 1, 1 << 20),  # "here come the data" from the reader's side
     wire.Pong(1),
-    wire.LeaseRenewed("t" * TOKEN_LEN, 1.0),
+    wire.LeaseRenewed("t" * TOKEN_LEN, 1.0, 7),
     wire.AgentMetadata("x", 1, 1, 0, 0, 16, "NHD", 8, 1, 1, [64], 1, 1, 1, "bf16", 2, False),
 ]
 
@@ -608,7 +616,7 @@ class FuzzClient:
     @staticmethod
     def _check_reply(msg: wire.Message, read_ids: set[int], kinds: list[str]) -> None:
         match msg:
-            case wire.Reject(xfer_id=0, reason=reason):  # only lease renewals reject so
+            case wire.Reject(renewal=True, reason=reason):  # renewals of grants not live
                 assert reason in (R.UNKNOWN_GRANT, R.EXPIRED_GRANT), (kinds, msg)
             case wire.Reject(xfer_id=xfer_id):
                 assert xfer_id in read_ids, (kinds, msg)

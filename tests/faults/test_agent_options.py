@@ -11,8 +11,9 @@ import argparse
 
 import pytest
 
+from kvbridge.cli.main import main
+from kvbridge.cli.serve import add_serve_parser, build_engine_config, parse_agent_options
 from kvbridge.errors import ConfigError
-from kvbridge.serve_cli import add_serve_parser, build_engine_config, main, parse_agent_options
 from kvbridge.transfer.config import AgentConfig
 
 

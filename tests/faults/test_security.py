@@ -37,8 +37,9 @@ from tests.transfer.agent_proc import AgentRef, Spec
 pytestmark = pytest.mark.faults
 
 SECRET = b"security tests use 32 bytes here"
+# Leases on a manual clock: the expired grant's lease ends by ``advance``, not a sleep.
 P_SPEC = Spec("p-sec", seed=21, secret=SECRET, num_blocks=64,
-              config={"grant_wait_s": 0.3, "lease_s": 120.0})
+              config={"grant_wait_s": 0.3, "lease_s": 120.0}, manual_clock=True)
 D_SPEC = Spec("d-sec", seed=-1, secret=SECRET, num_blocks=64)
 NUM_CHUNKS = 8  # receives posted per attempt: enough for every block the read names
 R = wire.RejectReason
@@ -148,7 +149,7 @@ def resolve(setup: Setup, attempt: Attempt) -> Attempt:
     if attempt.grant == "<expired>":
         token = secrets.token_urlsafe(16)
         server.call("issue", f"short-{token[:4]}", list(attempt.block_ids), 1, 0.05, token)
-        time.sleep(0.4)
+        server.call("advance", 0.1)  # past its lease, nowhere near the others' (120 s)
         return replace(attempt, grant=token)
     if attempt.grant == "<released>":  # read to the end by its reader, then replayed
         token = secrets.token_urlsafe(16)

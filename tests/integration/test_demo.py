@@ -3,7 +3,7 @@
 The integration tests run ``python -m kvbridge.cli demo --quick`` as a
 subprocess (the code behind ``make demo``) with a marker in its environment;
 every process it starts inherits the marker, so ``/proc`` tells whether any of
-them outlived the demo. The checker tests feed ``kvbridge.demo_report`` a real
+them outlived the demo. The checker tests feed ``kvbridge.cli.demo.report`` a real
 colocated answer and an altered copy of it.
 """
 
@@ -22,9 +22,14 @@ from typing import IO
 
 import pytest
 
-from kvbridge.demo import run_reference
-from kvbridge.demo_procs import ChildProcess, DemoError, reserve_ports, stop_children, wait_ready
-from kvbridge.demo_report import (
+from kvbridge.cli.demo.procs import (
+    ChildProcess,
+    DemoError,
+    reserve_ports,
+    stop_children,
+    wait_ready,
+)
+from kvbridge.cli.demo.report import (
     DemoPrompt,
     RequestResult,
     TransferDelta,
@@ -34,6 +39,7 @@ from kvbridge.demo_report import (
     render_summary,
     render_table,
 )
+from kvbridge.cli.demo.run import run_reference
 
 DEMO_TIMEOUT_S = 240
 _ROW = re.compile(r"^\s*(\d+)\s+(short|long|prefix|repeat|concurrent)\s+(\d+)\s+(\d+)\s+(\d+)"

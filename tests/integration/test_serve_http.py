@@ -3,7 +3,7 @@
 A prefill instance (P: block 16, NHD), a decode instance (D: block 32, HND), a
 colocated instance (C) and a proxy in front of P and D. Every answer through the
 proxy must equal C's token for token; afterwards nothing may stay running or
-held. The processes start with ``python -m kvbridge.serve_cli`` (the same code
+held. The processes start with ``python -m kvbridge.cli`` (the same code
 as ``kvbridge serve|proxy``) and are stopped with SIGTERM in teardown, killed
 if they do not exit in time. The flag-to-config tests at the end run in-process.
 """
@@ -29,15 +29,11 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from kvbridge.cli.main import main
+from kvbridge.cli.proxy import add_proxy_parser
+from kvbridge.cli.serve import add_serve_parser, build_engine_config, parse_nbytes
 from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout
-from kvbridge.serve_cli import (
-    add_proxy_parser,
-    add_serve_parser,
-    build_engine_config,
-    main,
-    parse_nbytes,
-)
 from tests.ports import free_port
 
 READY_TIMEOUT_S = 120.0
@@ -86,7 +82,7 @@ def spawn(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[str], queu
     stderr_path = tmp / f"{name}.stderr"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.serve_cli", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
@@ -191,6 +187,7 @@ def wait_metrics(url: str, want: dict[str, float], timeout_s: float = 30.0) -> d
 
 @pytest.mark.integration
 def test_pd_answers_equal_colocated_ones(deployment: Deployment) -> None:
+    num_first_token = 0
     for prompt in PROMPTS:
         expected = complete(deployment.colocated.url, prompt)
         got = complete(deployment.proxy.url, prompt)
@@ -198,9 +195,15 @@ def test_pd_answers_equal_colocated_ones(deployment: Deployment) -> None:
         assert got["choices"][0]["text"] == expected["choices"][0]["text"]
         assert got["usage"] == expected["usage"]
         stats = got["kvbridge"]
-        # D reads from P what its own prefix cache lacks, except the last prompt token
-        assert stats["num_remote_tokens"] + stats["num_cached_tokens"] == \
-            got["usage"]["prompt_tokens"] - 1
+        # D reads from P what its own prefix cache lacks: the whole prompt when the proxy
+        # sent P's token to the client and D continued after it (first-token flow), all
+        # but the last prompt token when D computed that token itself (classic flow: the
+        # proxy falls back to it e.g. when P's token holds half of a character)
+        num_loaded = stats["num_remote_tokens"] + stats["num_cached_tokens"]
+        num_prompt = got["usage"]["prompt_tokens"]
+        assert num_loaded in (num_prompt, num_prompt - 1)
+        num_first_token += num_loaded == num_prompt
+    assert num_first_token > 0
     values = metrics(deployment.decode.url)
     assert values["kvbridge_kv_transfers_total"] >= 1
     assert values["kvbridge_kv_transfer_bytes_total"] > 0

@@ -11,6 +11,7 @@ import torch
 from kvbridge.errors import ConfigError, IntegrityError
 from kvbridge.paged.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.paged.hashing import BlockHasher, MultiModalSpan, RequestHashExtras
+from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import (
     AllocationError,
     CacheTooSmallError,
@@ -23,8 +24,6 @@ from kvbridge.paged.spec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,

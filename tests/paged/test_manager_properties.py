@@ -24,13 +24,12 @@ from hypothesis.stateful import (
 )
 
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import CacheTooSmallError, KVCacheManager
 from kvbridge.paged.request import Request
 from kvbridge.paged.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
 )

@@ -7,17 +7,16 @@ import torch
 
 from kvbridge.errors import ConfigError
 from kvbridge.paged.block_pool import BlockPool
+from kvbridge.paged.coordinator import make_single_type_manager
 from kvbridge.paged.free_queue import KVCacheBlock
 from kvbridge.paged.hashing import BlockHasher
+from kvbridge.paged.kv_cache_config import UniformTypeSpecs
 from kvbridge.paged.request import Request
 from kvbridge.paged.single_type import (
-    ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
     SingleTypeManager,
-    SlidingWindowManager,
-    make_single_type_manager,
 )
 from kvbridge.paged.spec import (
     ChunkedLocalAttentionSpec,
@@ -28,8 +27,8 @@ from kvbridge.paged.spec import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
-    UniformTypeSpecs,
 )
+from kvbridge.paged.windowed import ChunkedLocalAttentionManager, SlidingWindowManager
 
 BS = 4
 DT = torch.float16

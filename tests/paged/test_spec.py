@@ -11,23 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError
+from kvbridge.paged.kv_cache_config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    UniformTypeSpecs,
+    is_uniform_type,
+    merge_specs,
+)
 from kvbridge.paged.spec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     SpecMismatchError,
-    UniformTypeSpecs,
     UnsupportedSpecError,
-    is_uniform_type,
-    merge_specs,
 )
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]

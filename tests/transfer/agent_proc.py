@@ -8,6 +8,9 @@ wedged agent fails the test instead of hanging it.
 A spec with ``fused=True`` (``layout="HND"``) lays its caches out as vLLM's CPU
 attention backend hands them to a connector: one ``[num_blocks, num_kv_heads,
 block_size, 2 * head_dim]`` tensor per layer, all views of one storage.
+
+A spec with ``manual_clock=True`` gives the agent's grant table a ``ManualClock``
+that moves only on the ``advance`` command: leases end when a test says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from kvbridge.layout import KVLayout
 from kvbridge.topology import EngineTopology
+from kvbridge.transfer.clock import ManualClock
 from kvbridge.transfer.config import AgentConfig
 from kvbridge.transfer.security import CompatInfo
 from tests.child_host import ChildHost, serve_commands
@@ -51,6 +55,7 @@ class Spec:
     model: str = "tiny"
     fused: bool = False  # vLLM CPU caches (K^T | V per block and head); needs HND
     config: dict[str, Any] = field(default_factory=dict)
+    manual_clock: bool = False  # the grant table's clock moves only on ``advance``
 
     def topology(self) -> EngineTopology:
         return EngineTopology(
@@ -114,13 +119,18 @@ def logical(
     return torch.stack(out)
 
 
-def new_agent(spec: Spec) -> tuple[TransferAgent, list[torch.Tensor]]:
-    """Child side: an agent for ``spec`` with its seeded caches registered (not started)."""
+def new_agent(
+    spec: Spec, clock: ManualClock | None = None
+) -> tuple[TransferAgent, list[torch.Tensor]]:
+    """Child side: an agent for ``spec`` with its seeded caches registered (not started).
+
+    ``clock``: its grant table's clock (default: the monotonic clock).
+    """
     from kvbridge.transfer.agent import TransferAgent
 
     agent = TransferAgent(
         spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
-        port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config),
+        port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config), clock=clock,
     )
     caches = make_caches(spec)
     agent.register_kv_caches(caches)
@@ -132,12 +142,17 @@ def _child(conn: Connection) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     agents: dict[str, tuple[TransferAgent, list[torch.Tensor]]] = {}
+    clocks: dict[str, ManualClock] = {}
 
     def handle(cmd: str, name: str, args: Any) -> Any:
         if cmd == "add":
-            agent, caches = new_agent(args)
+            if args.manual_clock:
+                clocks[name] = ManualClock(1000.0)
+            agent, caches = new_agent(args, clocks.get(name))
             agents[name] = (agent, caches)
             return agent.start()
+        if cmd == "advance":  # (seconds,): move a manual_clock spec's grant clock
+            return clocks[name].advance(args[0])
         agent, caches = agents[name]
         if cmd == "issue":  # (request_id, block_ids, num_readers, lease_s, token[, digest])
             request_id, block_ids, num_readers, lease_s, token, *digest = args

@@ -118,16 +118,6 @@ def test_what_does_not_fit_stays_off_the_board() -> None:
     assert len(board) == WINDOW
 
 
-def test_a_name_is_what_readers_look_up() -> None:
-    board = new_board()
-    alias = "engine-chosen-token-xyz"
-    board.publish(TOKEN, [2], 30.0, None, name=alias)
-    assert look(board, alias, [2]) is not None
-    assert look(board, TOKEN, [2]) is None
-    board.withdraw(TOKEN)  # keyed by the table's token
-    assert look(board, alias, [2]) is None
-
-
 def table_with_board(clock: ManualClock) -> tuple[GrantTable, GrantBoard]:
     table = GrantTable(clock, default_lease_s=10.0, max_lease_s=100.0)
     board = new_board()
@@ -154,6 +144,16 @@ def test_the_table_takes_a_grant_off_the_board_when_its_release_is_decided(end: 
     table.end_read(grant.token)
     assert [r.reason for r in table.drain_released()] == [end]
     assert len(board) == 0
+
+
+def test_a_grant_is_on_the_board_under_the_token_its_issuer_chose() -> None:
+    """One token: the engine's, published as is, looked up and withdrawn by it."""
+    table, board = table_with_board(ManualClock())
+    chosen = "engine-chosen-token-xyz"
+    table.issue("r", [2], 1, token=chosen)
+    assert look(board, chosen, [2]) is not None
+    table.revoke("r")
+    assert look(board, chosen, [2]) is None and len(board) == 0
 
 
 def test_the_table_publishes_the_lease_and_renewals() -> None:

@@ -106,6 +106,51 @@ def test_errors_are_kvbridge_errors() -> None:
         assert issubclass(cls, GrantError) and issubclass(cls, KVBridgeError)
 
 
+# ------------------------------------------------------------------- the issuer's token
+
+ENGINE_TOKEN = "engine-chosen-" + "k" * 24  # any unguessable string of 16..256 characters
+
+
+def test_the_issuer_may_choose_the_token_and_every_lookup_takes_it() -> None:
+    table, clock = make_table()
+    g = table.issue("r", [1, 2], 1, token=ENGINE_TOKEN)
+    assert g.token == ENGINE_TOKEN and table.is_known(ENGINE_TOKEN)
+    assert table.validate_read(ENGINE_TOKEN, [2]) == g
+    table.begin_read(ENGINE_TOKEN, [1])
+    table.end_read(ENGINE_TOKEN)
+    assert table.renew(ENGINE_TOKEN, 20.0) == clock.now() + 20.0
+    assert table.set_expected_readers(ENGINE_TOKEN, 3) is False  # fixed at issue
+    assert table.reader_done(ENGINE_TOKEN, "d:0") is True
+    assert table.drain_released() == [Release("r", (1, 2), "done")]
+    assert table.is_known(ENGINE_TOKEN)  # remembered, as a table token is
+    table.check_integrity()
+
+
+@pytest.mark.parametrize(("token", "match"), [
+    ("k" * 15, ">= 16 and <= 256 characters, got 15"),
+    ("k" * 257, ">= 16 and <= 256 characters, got 257"),
+])
+def test_a_chosen_token_of_a_bad_length_is_refused(token: str, match: str) -> None:
+    table, _ = make_table()
+    with pytest.raises(ConfigError, match=match):
+        table.issue("r", [1], 1, token=token)
+    assert len(table) == 0
+    table.check_integrity()
+
+
+def test_a_chosen_token_is_unique_among_live_and_remembered_grants() -> None:
+    table, _ = make_table()
+    first = table.issue("a", [1], 1, token=ENGINE_TOKEN)
+    with pytest.raises(DuplicateGrantError, match="token"):
+        table.issue("b", [2], 1, token=ENGINE_TOKEN)
+    table.reader_done(first.token, "d:0")
+    # released but remembered: a late read of the old grant must not open a new one
+    with pytest.raises(DuplicateGrantError, match="token"):
+        table.issue("b", [2], 1, token=ENGINE_TOKEN)
+    assert len(table) == 0
+    table.check_integrity()
+
+
 # ------------------------------------------------------------------- leases
 
 

@@ -178,11 +178,11 @@ def test_allowed_follows_config_and_environment(
 
 def _board_holder(conn: Connection) -> None:
     probe, board = ProbeCell(), GrantBoard(lambda: 5, 64)
-    board.publish("table-token-0000000000", [1, 2, 3], 30.0, b"prompt", name="engine-token")
+    board.publish("engine-token-0000000", [1, 2, 3], 30.0, b"prompt")
     conn.send(probe.host_info(board))
     while (cmd := conn.recv()) != "go":
         if cmd == "withdraw":
-            board.withdraw("table-token-0000000000")
+            board.withdraw("engine-token-0000000")
         conn.send("ok")
 
 
@@ -197,15 +197,15 @@ def test_a_reader_reads_the_board_of_another_process_and_sees_a_withdrawal() -> 
         assert info.board_address and info.board_slots == 64
         source = CopySource.open(info, "holder")
         assert source is not None
-        spot = source.find_grant("engine-token", [3, 1], b"prompt", 5)
+        spot = source.find_grant("engine-token-0000000", [3, 1], b"prompt", 5)
         assert spot is not None and source.check(spot)
-        assert source.find_grant("engine-token", [3, 4], b"prompt", 5) is None
-        assert source.find_grant("engine-token", [3], b"another prompt", 5) is None
-        assert source.find_grant("table-token-0000000000", [3], b"prompt", 5) is None
+        assert source.find_grant("engine-token-0000000", [3, 4], b"prompt", 5) is None
+        assert source.find_grant("engine-token-0000000", [3], b"another prompt", 5) is None
+        assert source.find_grant("other-token-00000000", [3], b"prompt", 5) is None
         parent.send("withdraw")
         assert parent.recv() == "ok"
         assert not source.check(spot)  # a copy made across the withdrawal is dropped
-        assert source.find_grant("engine-token", [3], b"prompt", 5) is None
+        assert source.find_grant("engine-token-0000000", [3], b"prompt", 5) is None
     finally:
         parent.send("go")
         proc.join(10)

@@ -23,8 +23,9 @@ SAMPLES: list[wire.Message] = [
     wire.CopyDone(7, False),
     wire.ReadRequest(8, "tok" * 8, [2], 0, 4, 0, 2, 16, direct=True, local_copy=True),
     wire.ReadDone("tok" * 8, "decode:0", False),
-    wire.RenewLease("tok" * 8, 30.0),
-    wire.LeaseRenewed("tok" * 8, 29.5),
+    wire.RenewLease("tok" * 8, 30.0, 7),
+    wire.LeaseRenewed("tok" * 8, 29.5, 7),
+    wire.Reject(wire.RejectReason.EXPIRED_GRANT, "expired", 7, renewal=True),
     wire.Ping(1),
     wire.Pong(1),
     wire.Bye("closing"),
@@ -56,6 +57,9 @@ def test_round_trip(msg: wire.Message) -> None:
         msgspec.msgpack.encode({"kind": "copy_go", "xfer_id": 1, "origins": bytes(8),
                                 "block_stride": 1, "span_offset": 0, "span_nbytes": 1,
                                 "hold_s": 0.0}),  # no hold
+        msgspec.msgpack.encode({"kind": "renew", "grant": "g", "lease_s": 1.0}),  # no read
+        msgspec.msgpack.encode({"kind": "renewed", "grant": "g", "remaining_s": 1.0,
+                                "xfer_id": 0}),  # a renewal names its read (xfer id >= 1)
         CODEC.encode(wire.Ping(5))[:-1],  # truncated
         b"",
     ],

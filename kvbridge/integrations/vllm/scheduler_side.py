@@ -35,7 +35,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvbridge.connector.outputs import KVConnectorOutput
 from kvbridge.connector.params import KVTransferParams, parse_kv_transfer_params
-from kvbridge.connector.scheduler import BlockIds, ConnectorScheduler
+from kvbridge.connector.request import BlockIds
+from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import EngineFacts

@@ -83,8 +83,8 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ConfigError: an unknown field or a bad value.
         """
         try:
-            return AgentConfig(**{"lease_s": self.lease_s, **self.agent})
-        except TypeError as exc:
+            return AgentConfig.from_options({"lease_s": self.lease_s, **self.agent})
+        except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.agent: {exc}") from None
 
     def secret(self) -> bytes | None:

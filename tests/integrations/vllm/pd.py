@@ -145,7 +145,7 @@ def kvbridge_proxy(p_url: str, d_url: str, log_path: Path) -> Iterator[str]:
             [
                 sys.executable,
                 "-m",
-                "kvbridge.serve_cli",
+                "kvbridge.cli",
                 "proxy",
                 "--prefill",
                 p_url,

@@ -21,7 +21,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integrations.vllm.client import KV_CACHE_USAGE, complete, poll_metrics
+from tests.integrations.vllm.client import (
+    EXTERNAL_PREFIX_CACHE_HITS,
+    KV_CACHE_USAGE,
+    complete,
+    poll_metrics,
+)
 from tests.integrations.vllm.pd import (
     BLOCK_NBYTES,
     BLOCK_SIZE,
@@ -156,6 +161,40 @@ def test_d_reads_only_what_its_prefix_cache_lacks(
     wait_usage(p.base_url)  # D said it will not read: P lets go at once, not at the lease
 
 
+def test_a_stream_through_kvbridge_proxy_starts_with_ps_token(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    prompt = prompt_ids(2 * BLOCK_SIZE + 9, seed=7)
+    [expected] = reference(vllm_servers, ref_spec, [prompt])
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    before = counters(d.base_url)
+    body = {"model": str(p.spec.model), "prompt": prompt, "max_tokens": NUM_NEW_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with (
+        kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy,
+        httpx.stream("POST", f"{proxy}/v1/completions", json=body, timeout=60) as response,
+    ):
+        assert response.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    tokens = [t for event in events for c in event["choices"] for t in c.get("token_ids") or []]
+    assert tokens == expected
+    assert events[0]["choices"][0]["token_ids"] == expected[:1]  # P's token, sent first
+    usage = events[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    # D computed only P's token's position: it loaded every prompt token
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) > before[TRANSFERS])
+    assert after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS] == len(prompt)
+    assert after[BYTES] - before[BYTES] == 3 * BLOCK_NBYTES
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
 def test_requests_shaped_like_vllms_toy_proxy(
     vllm_servers: ServersForTest,
     ref_spec: ServerSpec,
@@ -252,7 +291,8 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
 ) -> None:
     lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
     prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
-    num_sync = sum(1 for n in lengths if -(-(n - 1) // BLOCK_SIZE) <= SYNC_BLOCKS)
+    # through the proxy D loads the whole prompt (P's token is appended to D's prompt)
+    num_sync = sum(1 for n in lengths if -(-n // BLOCK_SIZE) <= SYNC_BLOCKS)
     assert 0 < num_sync < len(lengths)
     expected = reference(vllm_servers, ref_spec, prompts)
     d_mixed = ServerSpec(

@@ -1,4 +1,4 @@
-"""Tests for kvbridge.paged.config: grouping, sizing, memory checks, unification."""
+"""Tests for kvbridge.paged.sizing: grouping, sizing, memory checks, unification."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError
-from kvbridge.paged.config import (
+from kvbridge.paged.kv_cache_config import KVCacheConfig, UniformTypeSpecs
+from kvbridge.paged.sizing import (
     RequestLimits,
     as_full_attention,
     check_enough_memory,
@@ -27,12 +28,10 @@ from kvbridge.paged.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
     SpecMismatchError,
-    UniformTypeSpecs,
     UnsupportedSpecError,
 )
 

@@ -1,8 +1,9 @@
-"""The scheduler's connector half: remote loads on D, blocks held for readers on P.
+"""The engine scheduler's tracker of remote KV: loads into D's cache, blocks held on P.
 
 ``Scheduler`` (``engine/scheduler.py``) owns one :class:`RemoteKVTracker` when the
-engine has a connector. The tracker talks to the connector's scheduler side and
-keeps the request states that only exist because of transfers::
+engine has a connector. The tracker keeps the request states that exist only
+because of transfers, driven by the connector's scheduler side it holds
+(``connector/scheduler.py``, :class:`ConnectorScheduler`)::
 
     waiting --get_num_new_matched_tokens: load async--> loading (blocks held,
         |                                               not schedulable)

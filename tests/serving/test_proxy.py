@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.errors import ConfigError
-from kvbridge.proxy import PDProxy, ProxyConfig, backend_urls, build_proxy_app
+from kvbridge.serving.proxy import PDProxy, ProxyConfig, backend_urls, build_proxy_app
 
 T = TypeVar("T")
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.1",

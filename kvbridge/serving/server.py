@@ -1,12 +1,14 @@
 """OpenAI-style HTTP server around an ``AsyncEngine``: completions, health and metrics.
 
-``kvbridge serve`` (``kvbridge/serve_cli.py``) builds the engine and serves
+``kvbridge serve`` (``kvbridge/cli/serve.py``) builds the engine and serves
 :func:`build_app` with uvicorn; tests drive the app in-process. Endpoints:
 
 - ``POST /v1/completions``: ``prompt`` (text or token ids), ``max_tokens``,
   ``temperature`` (default 0: greedy), ``top_p``, ``seed``, ``stop``,
-  ``ignore_eos``, ``stream`` and ``kv_transfer_params``. The answer carries the
-  completion's ``token_ids`` per choice, the ``kv_transfer_params`` a prefill
+  ``ignore_eos``, ``stream``, ``return_token_ids`` and ``kv_transfer_params``.
+  The answer carries the completion's ``token_ids`` per choice (and, with
+  ``return_token_ids``, the prompt's ``prompt_token_ids`` in the first body, as
+  vLLM does: the proxy's first-token flow needs them), the ``kv_transfer_params`` a prefill
   instance hands out, and a ``kvbridge`` object (cached / remote prompt tokens,
   TTFT). ``stream=true`` answers with SSE ``data:`` events ending in ``[DONE]``.
 - ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``.
@@ -33,11 +35,10 @@ from fastapi.responses import JSONResponse, Response
 
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.engine.async_engine import AsyncEngine, EngineDeadError
-from kvbridge.engine.config import NUM_BYTE_TOKENS
 from kvbridge.engine.engine import InvalidRequestError
-from kvbridge.engine.metrics import CONTENT_TYPE, ServerMetrics, render_metrics
+from kvbridge.engine.model_config import NUM_BYTE_TOKENS
 from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
-from kvbridge.http_common import (
+from kvbridge.serving.http_common import (
     SSE_DONE,
     ApiError,
     ClientGone,
@@ -48,6 +49,7 @@ from kvbridge.http_common import (
     sse_event,
     unless_client_gone,
 )
+from kvbridge.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 __all__ = ["DEFAULT_MAX_BODY_NBYTES", "ApiError", "CompletionRequest", "build_app"]
 
@@ -74,6 +76,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     stop: _StopString | Annotated[list[_StopString], msgspec.Meta(max_length=16)] | None = None
     ignore_eos: bool = False
     stream: bool = False
+    return_token_ids: bool = False
     kv_transfer_params: KVTransferParams | None = None
 
 
@@ -147,9 +150,11 @@ class _CompletionServer:
             request_id = f"cmpl-{uuid.uuid4().hex}"
             logger.debug("%s: %s (client id %s)", request_id, "stream" if req.stream else "unary",
                          request.headers.get("x-request-id"))
+            prompt_ids = (self.engine.engine.tokenizer.encode(req.prompt)
+                          if isinstance(req.prompt, str) else list(req.prompt))
             outputs = cast(AsyncGenerator[RequestOutput, None], self.engine.generate_stream(
-                request_id, req.prompt, _sampling_params(req), req.kv_transfer_params))
-            call = _Completion(self, request_id, req, outputs, start_s)
+                request_id, prompt_ids, _sampling_params(req), req.kv_transfer_params))
+            call = _Completion(self, request_id, req, prompt_ids, outputs, start_s)
             response = await unless_client_gone(request, call.start())
         except ApiError as exc:
             response = exc.response()
@@ -175,7 +180,7 @@ class _CompletionServer:
             stats = await asyncio.wait_for(self.engine.get_stats(), _STATS_TIMEOUT_S)
         except (EngineDeadError, TimeoutError) as exc:
             return ApiError(503, f"engine stats unavailable: {exc}", "server_error").response()
-        return Response(render_metrics(stats, self.metrics), media_type=CONTENT_TYPE)
+        return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)
 
     async def models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
@@ -186,10 +191,13 @@ class _Completion:
     """One ``/v1/completions`` call: collects or streams its engine outputs."""
 
     def __init__(self, server: _CompletionServer, request_id: str, req: CompletionRequest,
-                 outputs: AsyncGenerator[RequestOutput, None], start_s: float) -> None:
+                 prompt_ids: list[int], outputs: AsyncGenerator[RequestOutput, None],
+                 start_s: float) -> None:
         self.server = server
         self.request_id = request_id
         self.req = req
+        # with return_token_ids: the prompt's ids go with the first body (as vLLM does)
+        self.prompt_ids: list[int] | None = prompt_ids if req.return_token_ids else None
         self.outputs = outputs
         self.start_s = start_s
         self.created = int(time.time())
@@ -237,6 +245,8 @@ class _Completion:
             "choices": [{"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
                          "finish_reason": reason}],
         }
+        if self.prompt_ids is not None:
+            body["choices"][0]["prompt_token_ids"], self.prompt_ids = self.prompt_ids, None
         if self.finished:
             num_completion = len(self.token_ids)
             body["usage"] = {"prompt_tokens": out.num_prompt_tokens,

@@ -1,6 +1,6 @@
 """Processes of ``kvbridge demo``: free ports, starting children, their ready lines, stopping.
 
-``kvbridge/demo.py`` starts ``kvbridge serve`` (P, D) and ``kvbridge proxy`` as
+``run.py`` starts ``kvbridge serve`` (P, D) and ``kvbridge proxy`` as
 :class:`ChildProcess` es, each the leader of its own process group (its TP
 workers and their helpers join that group), waits with :func:`wait_ready` and
 always ends with :func:`stop_children`. Children run in their own sessions, so

@@ -1,6 +1,6 @@
 """``kvbridge demo``: a whole P/D deployment on loopback, checked token for token.
 
-``kvbridge/cli.py`` calls :func:`run_demo`. It starts three processes, each in
+``kvbridge/cli/demo/__init__.py`` calls :func:`run_demo`. It starts three processes, each in
 its own process group so that its TP workers go down with it::
 
     P      kvbridge serve --role prefill --tp 2 ...   (transfer agents on T..T+1)
@@ -11,7 +11,7 @@ While they start, the same prompts run through an in-process ``LLMEngine``
 (TP 1, greedy): the colocated reference. Then the prompts go through the proxy
 (streamed, so the client sees the real time to first token), each answer is
 compared with the reference and a progress line printed; the concurrent batch
-goes last. The table and verdict come from ``kvbridge/demo_report.py``. Every
+goes last. The table and verdict come from ``report.py``. Every
 process started here is stopped on the way out (SIGTERM to its group, SIGKILL
 after :data:`STOP_TIMEOUT_S`), also after Ctrl-C, SIGTERM or an error.
 
@@ -36,8 +36,14 @@ from types import FrameType
 
 import httpx
 
-from kvbridge.demo_procs import ChildProcess, DemoError, reserve_ports, stop_children, wait_ready
-from kvbridge.demo_report import (
+from kvbridge.cli.demo.procs import (
+    ChildProcess,
+    DemoError,
+    reserve_ports,
+    stop_children,
+    wait_ready,
+)
+from kvbridge.cli.demo.report import (
     DemoPrompt,
     RequestResult,
     TransferDelta,
@@ -304,7 +310,7 @@ def _signals(handler: _Handler) -> Iterator[None]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Entry of ``kvbridge demo`` (flags: see ``kvbridge/cli.py``).
+    """Entry of ``kvbridge demo`` (flags: see ``kvbridge/cli/demo/__init__.py``).
 
     Returns:
         0 every answer matched, 1 a mismatch or an error, 2 bad flags, 130

@@ -23,21 +23,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
+from kvbridge.paged.kv_cache_config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    UniformTypeSpecs,
+    is_uniform_type,
+    merge_specs,
+)
 from kvbridge.paged.spec import (
     ChunkedLocalAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
     SlidingWindowSpec,
     SpecMismatchError,
-    UniformTypeSpecs,
     UnsupportedSpecError,
     cdiv,
-    is_uniform_type,
-    merge_specs,
 )
 
 _GIB = 1 << 30

@@ -1,35 +1,33 @@
-"""``kvbridge serve`` and ``kvbridge proxy``: flags, and the processes behind them.
+"""``kvbridge serve``: flags, the ``EngineConfig`` they describe, and the serving process.
 
-``kvbridge/cli.py`` registers both subcommands with :func:`add_serve_parser` and
-:func:`add_proxy_parser`; ``python -m kvbridge.serve_cli serve|proxy ...`` works
-too. Each process binds its port first (fail fast), starts its work (``serve``:
-the engine and its TP workers), then prints one line that scripts wait for::
-
-    kvbridge serve ready on http://127.0.0.1:8100
-    kvbridge proxy ready on http://127.0.0.1:8000
-
-(``--port 0`` picks a free port; the line names it.) SIGINT or SIGTERM stops
-the HTTP server gracefully, then the engine and its worker processes; the exit
-code is then 0. Bad flags exit with 2 and a message on stderr.
+``kvbridge/cli/main.py`` registers the subcommand with :func:`add_serve_parser`.
+The process binds its port first (fail fast), starts the engine and its TP
+workers, then serves ``kvbridge/serving/server.py``'s app and prints its ready
+line (``lifecycle.py``). SIGINT or SIGTERM stops the HTTP server gracefully,
+then the engine and its worker processes; the exit code is then 0. Bad flags
+exit with 2 and a message on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import dataclasses
 import logging
 import os
-import signal
-import socket
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.cli.lifecycle import (
+    Shutdown,
+    Subparsers,
+    bind,
+    ignore_signals,
+    serve_app,
+    setup_logging,
+    shutdown_signals,
+)
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,27 +35,20 @@ if TYPE_CHECKING:
     from kvbridge.transfer.config import AgentConfig
 
 __all__ = [
-    "add_proxy_parser",
     "add_serve_parser",
     "build_engine_config",
-    "main",
     "parse_agent_options",
     "parse_nbytes",
-    "run_proxy",
     "run_serve",
 ]
 
 logger = logging.getLogger("kvbridge.serve")
 
-Subparsers = argparse._SubParsersAction  # argparse has no public name for it
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-#: Seconds uvicorn waits for open connections (streams) on shutdown.
-_GRACEFUL_SHUTDOWN_S = 5
-_STARTUP_TIMEOUT_S = 60.0
+#: Words ``--transfer-option`` takes for a bool besides msgspec's true/false/1/0.
+_YES_NO = {"yes": "true", "no": "false"}
 
-
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 def parse_nbytes(text: str) -> int:
     """``"268435456"``, ``"256M"``, ``"256MiB"`` or ``"1g"`` -> bytes (binary units).
@@ -125,27 +116,6 @@ def add_serve_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
     return p
 
 
-def add_proxy_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Register ``proxy`` (sets ``func=run_proxy``); returns its parser."""
-    p = subparsers.add_parser("proxy", help="route completions: prefill on P, decode on D",
-                              description="OpenAI-style P/D proxy with round robin over "
-                              "each pool.")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="prefill instances (http://host:port or host:port)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="decode instances")
-    p.add_argument("--host", default="127.0.0.1", help="listen address")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="limit on a backend call (a stream: until its first byte)")
-    p.add_argument("--read-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="longest silence within a streamed answer")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run_proxy)
-    return p
-
-
 def _read_secret(path: Path) -> bytes:
     secret = path.read_bytes().strip()
     if not secret:
@@ -158,33 +128,31 @@ def _read_secret(path: Path) -> bytes:
 def parse_agent_options(items: Sequence[str]) -> AgentConfig:
     """``["chunk_timeout_s=2", "chunk_nbytes=65536"]`` -> an ``AgentConfig`` (rest default).
 
+    Values are converted from text by msgspec (``AgentConfig.from_options``,
+    lax mode: ``"2"`` is a number, ``true``/``false``/``1``/``0``, also
+    ``yes``/``no``, a bool).
+
     Raises:
-        ConfigError: not ``NAME=VALUE``, an unknown field, or a value the field rejects.
+        ConfigError: not ``NAME=VALUE``, an unknown field, or a value the field
+            rejects (the message names the option, the field and the value).
     """
     from kvbridge.transfer.config import AgentConfig
 
-    defaults = {f.name: getattr(AgentConfig(), f.name) for f in dataclasses.fields(AgentConfig)}
-    values: dict[str, int | float | bool] = {}
+    names = AgentConfig.__struct_fields__
+    values: dict[str, str] = {}
     for item in items:
         name, sep, text = item.partition("=")
         name = name.strip()
-        if not sep or name not in defaults:
+        if not sep or name not in names:
             raise ConfigError(f"--transfer-option {item!r}: expected NAME=VALUE with NAME one "
-                              f"of {sorted(defaults)}")
-        kind = type(defaults[name])
-        if kind is bool:
-            word = text.strip().lower()
-            if word not in _BOOL_WORDS:
-                raise ConfigError(f"--transfer-option {item!r}: {text!r} is not one of "
-                                  f"{sorted(_BOOL_WORDS)}")
-            values[name] = _BOOL_WORDS[word]
-            continue
-        try:
-            values[name] = kind(text.strip())
-        except ValueError:
-            raise ConfigError(f"--transfer-option {item!r}: {text!r} is not "
-                              f"{'an integer' if kind is int else 'a number'}") from None
-    return AgentConfig(**values)  # type: ignore[arg-type]
+                              f"of {sorted(names)}")
+        text = text.strip()
+        values[name] = _YES_NO.get(text.lower(), text)
+        try:  # each option alone first, so that an error names the option as given
+            AgentConfig.from_options({name: values[name]}, strict=False)
+        except ConfigError as exc:
+            raise ConfigError(f"--transfer-option {item!r}: {exc}") from None
+    return AgentConfig.from_options(values, strict=False)
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -230,98 +198,24 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-class _Shutdown(BaseException):
-    """SIGINT or SIGTERM arrived outside the HTTP server's own handling."""
-
-
-def _raise_shutdown(signum: int, _frame: FrameType | None) -> None:
-    raise _Shutdown(signal.Signals(signum).name)
-
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _shutdown_signals() -> Iterator[None]:
-    """Within: SIGINT/SIGTERM raise :class:`_Shutdown`; the old handlers come back after.
-
-    uvicorn handles both signals while it serves (graceful stop) and re-raises
-    the signal once stopped, which lands here.
-    """
-    previous = {sig: signal.signal(sig, _raise_shutdown) for sig in _SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _ignore_signals() -> None:
-    """Let clean-up finish (it is bounded by time limits) despite repeated Ctrl-C."""
-    for sig in _SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (IPv4 or IPv6), before the slow start-up."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)
-
-
-def _serve(app: Any, sock: socket.socket, host: str, what: str, log_level: str) -> bool:
-    """Serve ``app`` on ``sock`` until a signal; print the ready line once listening.
-
-    Returns:
-        Whether the server started.
-    """
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
-    port = sock.getsockname()[1]
-
-    async def run() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            async with asyncio.timeout(_STARTUP_TIMEOUT_S):
-                while not server.started and not task.done():
-                    await asyncio.sleep(0.02)
-        except TimeoutError:
-            logger.error("HTTP server did not start within %s s", _STARTUP_TIMEOUT_S)
-            server.should_exit = True
-        if server.started:
-            shown = f"[{host}]" if ":" in host else host
-            print(f"kvbridge {what} ready on http://{shown}:{port}", flush=True)
-        await task
-
-    asyncio.run(run())
-    return bool(server.started)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Entry of ``kvbridge serve``: engine + HTTP server until SIGINT/SIGTERM.
 
     Returns:
         0 after a clean stop, 1 if the server failed, 2 for bad flags.
     """
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     engine = None
-    with _shutdown_signals():
+    with shutdown_signals():
         try:
             config = build_engine_config(args)
-            sock = _bind(args.host, args.port)
+            sock = bind(args.host, args.port)
         except (ConfigError, OSError) as exc:
             print(f"kvbridge serve: error: {exc}", file=sys.stderr)
             return 2
         try:
             from kvbridge.engine.async_engine import AsyncEngine
-            from kvbridge.engine.server import build_app
+            from kvbridge.serving.server import build_app
 
             try:
                 engine = AsyncEngine(config)
@@ -336,58 +230,13 @@ def run_serve(args: argparse.Namespace) -> int:
                         f"{connector.engine_id} on {connector.host}:"
                         f"{connector.transfer_base_port}" if connector else "off")
             app = build_app(engine, args.served_model_name)
-            return 0 if _serve(app, sock, args.host, "serve", args.log_level) else 1
-        except _Shutdown as stop:
+            return 0 if serve_app(app, sock, args.host, "serve", args.log_level) else 1
+        except Shutdown as stop:
             logger.info("stopping on %s", stop)
             return 0
         finally:
-            _ignore_signals()
+            ignore_signals()
             sock.close()
             if engine is not None:
                 engine.shutdown()
             logger.info("kvbridge serve stopped (pid %d)", os.getpid())
-
-
-def run_proxy(args: argparse.Namespace) -> int:
-    """Entry of ``kvbridge proxy``: serve until SIGINT/SIGTERM.
-
-    Returns:
-        0 after a clean stop, 1 if the server failed, 2 for bad flags.
-    """
-    from kvbridge.proxy import ProxyConfig, backend_urls, build_proxy_app
-
-    _setup_logging(args.log_level)
-    with _shutdown_signals():
-        try:
-            config = ProxyConfig(backend_urls(args.prefill), backend_urls(args.decode),
-                                 prefill_timeout_s=args.timeout, decode_timeout_s=args.timeout,
-                                 read_timeout_s=args.read_timeout)
-            sock = _bind(args.host, args.port)
-        except (ConfigError, OSError) as exc:
-            print(f"kvbridge proxy: error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            logger.info("proxy: prefill %s, decode %s", list(config.prefill_urls),
-                        list(config.decode_urls))
-            app = build_proxy_app(config)
-            return 0 if _serve(app, sock, args.host, "proxy", args.log_level) else 1
-        except _Shutdown as stop:
-            logger.info("stopping on %s", stop)
-            return 0
-        finally:
-            sock.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvbridge.serve_cli serve|proxy ...`` (same flags as ``kvbridge``)."""
-    parser = argparse.ArgumentParser(prog="kvbridge")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    add_proxy_parser(sub)
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """P/D proxy: an OpenAI-style ``/v1/completions`` front that prefills on P and decodes on D.
 
-``kvbridge proxy`` (``kvbridge/serve_cli.py``) serves :func:`build_proxy_app`
+``kvbridge proxy`` (``kvbridge/cli/proxy.py``) serves :func:`build_proxy_app`
 with uvicorn. Per request, with round robin over each pool::
 
     client --body--> proxy --body + max_tokens=1, stream=false,
@@ -9,13 +9,19 @@ with uvicorn. Per request, with round robin over each pool::
                      proxy --body + P's kv_transfer_params-------------------> D
     client <--D's answer (SSE passed through as it arrives, or one JSON)---- D
 
+That is the classic flow. By default (``ProxyConfig.first_token``) requests that
+allow it take the first-token path (``kvbridge/serving/first_token.py``): the
+client gets P's token the moment P answers, and D, asked for the rest with
+that token appended to its prompt, loads the prompt's KV and continues; so
+the client's first token waits for P only.
+
 P answering without ``kv_transfer_params`` (no connector) is not an error: D
 then prefills locally. A 4xx from a backend (the client's mistake) is passed
 through; a backend that fails, answers 5xx or exceeds its time limit gives the
 client a 502 with the reason (or, mid-stream, an SSE error event). Every backend
 call has a time limit. ``GET /health`` reports every backend's health.
 
-Unhealthy backends (``kvbridge/backend_pool.py``): one that could not be
+Unhealthy backends (``backend_pool.py``): one that could not be
 reached or answered 5xx is skipped for ``unhealthy_backoff_s`` while another of
 its role is usable, and probed on ``/health`` before it gets requests again. A
 prefill whose connection failed is retried once on another P (the client has
@@ -42,14 +48,15 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvbridge.backend_pool import (
+from kvbridge.errors import ConfigError
+from kvbridge.serving import first_token
+from kvbridge.serving.backend_pool import (
     BackendPool,
     ClientErrorAnswer,
     NoBackendError,
     is_lost_connection,
 )
-from kvbridge.errors import ConfigError
-from kvbridge.http_common import (
+from kvbridge.serving.http_common import (
     SSE_DONE,
     ApiError,
     ClientGone,
@@ -81,6 +88,8 @@ class ProxyConfig:
         max_body_nbytes: Largest request body accepted.
         unhealthy_backoff_s: How long a backend that failed is skipped before
             its ``/health`` is probed again.
+        first_token: send P's token to the client as the first token and ask D
+            for the rest (module docstring); False: the classic flow only.
 
     Raises:
         ConfigError: an empty pool, a URL that is not ``http(s)://``, or a
@@ -96,6 +105,7 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     max_body_nbytes: int = 16 << 20
     unhealthy_backoff_s: float = 5.0
+    first_token: bool = True
 
     def __post_init__(self) -> None:
         for pool in ("prefill_urls", "decode_urls"):
@@ -145,9 +155,12 @@ class PDProxy:
         limits = (config.unhealthy_backoff_s, config.health_timeout_s, clock)
         self.prefill_pool = BackendPool("prefill", config.prefill_urls, self._client, *limits)
         self.decode_pool = BackendPool("decode", config.decode_urls, self._client, *limits)
+        self._background: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
-        """Close the backend connections. Idempotent."""
+        """Finish background calls, close the backend connections. Idempotent."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.config.decode_timeout_s)
         await self._client.aclose()
 
     async def completions(self, request: Request) -> Response:
@@ -191,28 +204,41 @@ class PDProxy:
             await self.decode_pool.pick(advance=False)
         except NoBackendError as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
-        params = await self._prefill(body, request_id)
+        wants_first = self.config.first_token and first_token.plan(body)
+        answer, p_url = await self._prefill(body, request_id, wants_first)
+        params = self._params(answer, p_url, request_id)
+        first = first_token.take(answer) if wants_first and params is not None else None
+        stream = body.get("stream") is True
+        if first is not None:
+            return await self._continue(body, first, params, request_id, stream)
         d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if params is not None:
             d_body["kv_transfer_params"] = params
-        stream = body.get("stream") is True
         response, url = await self.decode_pool.post(d_body, request_id,
                                                     self.config.decode_timeout_s, stream)
         if stream:
             return ClosingStreamingResponse(self._relay(response, url))
         return Response(response.content, response.status_code, media_type="application/json")
 
-    async def _prefill(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
-        """Run the prompt on the next P; return the params for D (``None``: D prefills)."""
-        p_body = {**body, "max_tokens": 1, "stream": False,
-                  "kv_transfer_params": {"do_remote_decode": True}}
+    async def _prefill(self, body: dict[str, Any], request_id: str, wants_first: bool
+                       ) -> tuple[dict[str, Any], str]:
+        """Run the prompt on the next P; return its JSON answer and P's URL."""
+        p_body = first_token.prefill_body(body, wants_first)
         response, url = await self.prefill_pool.post(p_body, request_id,
                                                      self.config.prefill_timeout_s, stream=False)
         try:
-            params: object = response.json().get("kv_transfer_params")
-        except (ValueError, AttributeError):
+            answer: object = response.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
             raise _bad_gateway(f"prefill {url} answered something other than a JSON "
-                               f"object: {response.text[:200]!r}") from None
+                               f"object: {response.text[:200]!r}")
+        return answer, url
+
+    @staticmethod
+    def _params(answer: dict[str, Any], url: str, request_id: str) -> dict[str, Any] | None:
+        """The params P hands out for D (``None``: D prefills)."""
+        params = answer.get("kv_transfer_params")
         if params is None:
             logger.warning("%s: prefill %s returned no kv_transfer_params; decode prefills "
                            "locally", request_id, url)
@@ -221,6 +247,65 @@ class PDProxy:
             raise _bad_gateway(f"prefill {url} returned kv_transfer_params of type "
                                f"{type(params).__name__}")
         return params
+
+    async def _continue(self, body: dict[str, Any], first: first_token.FirstToken,
+                        params: dict[str, Any] | None, request_id: str, stream: bool
+                        ) -> Response:
+        """The first-token path: P's token to the client now, D's tokens after it."""
+        if first.finished:  # nothing for D to generate; it still lets P's blocks go
+            if params is not None:
+                self._release_later(first_token.release_body(body, first, params), request_id)
+            if stream:
+                event = first_token.first_event(body, first)
+                return Response(sse_event(event) + SSE_DONE, media_type="text/event-stream")
+            return JSONResponse(first_token.only_first(body, first))
+        d_body = first_token.decode_body(body, first, params)
+        if stream:
+            return ClosingStreamingResponse(self._stream_after(body, first, d_body, request_id))
+        response, _ = await self.decode_pool.post(d_body, request_id,
+                                                  self.config.decode_timeout_s, stream=False)
+        try:
+            d_answer: object = response.json()
+        except ValueError:
+            d_answer = None
+        if not isinstance(d_answer, dict):
+            raise _bad_gateway(f"decode answered something other than a JSON object: "
+                               f"{response.text[:200]!r}")
+        return JSONResponse(first_token.merge_answer(body, first, d_answer))
+
+    async def _stream_after(self, body: dict[str, Any], first: first_token.FirstToken,
+                            d_body: dict[str, Any], request_id: str
+                            ) -> AsyncGenerator[bytes, None]:
+        """P's token as the first event, then D's stream; a failure of D ends it with an error."""
+        yield sse_event(first_token.first_event(body, first))
+        try:
+            response, url = await self.decode_pool.post(d_body, request_id,
+                                                        self.config.decode_timeout_s, True)
+        except ApiError as exc:
+            yield sse_event(error_body(str(exc), exc.kind)) + SSE_DONE
+            return
+        except ClientErrorAnswer as exc:
+            yield sse_event(error_body(f"decode refused the continuation: "
+                                       f"{exc.response.text[:300]}", "bad_gateway")) + SSE_DONE
+            return
+        async for chunk in first_token.rewrite_events(body, first, self._relay(response, url)):
+            yield chunk
+
+    def _release_later(self, d_body: dict[str, Any], request_id: str) -> None:
+        """Ask D in the background for one token so that P's blocks are read and released."""
+
+        async def release() -> None:
+            try:
+                response, _ = await self.decode_pool.post(d_body, request_id,
+                                                          self.config.decode_timeout_s, False)
+                await response.aclose()
+            except (ApiError, ClientErrorAnswer) as exc:
+                logger.warning("%s: could not hand P's blocks to a decode (P keeps them until "
+                               "its lease ends): %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _relay(self, response: httpx.Response, base_url: str
                      ) -> AsyncGenerator[bytes, None]:

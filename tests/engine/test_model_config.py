@@ -1,4 +1,4 @@
-"""Tests for kvbridge.engine.config: presets, validation, TP splits, config.json."""
+"""Tests for kvbridge.engine.model_config: presets, validation, TP splits, config.json."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvbridge.engine.config import ModelConfig, config_from_hf, get_model_config, model_names
+from kvbridge.engine.model_config import ModelConfig, config_from_hf, get_model_config, model_names
 from kvbridge.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """What ``kvbridge demo`` sends and how it judges and shows the answers.
 
-``kvbridge/demo.py`` builds the prompt mix with :func:`build_workload`, turns
+``run.py`` builds the prompt mix with :func:`build_workload`, turns
 each answer into a :class:`RequestResult` (the colocated answer beside the P/D
 one), prints :func:`progress_line` as each request completes, then
 :func:`render_table` and :func:`render_summary`, and exits with

@@ -1,6 +1,6 @@
 """One role's backends for the P/D proxy: round robin that skips unhealthy ones.
 
-``kvbridge/proxy.py`` keeps one :class:`BackendPool` for its prefill and one for
+``kvbridge/serving/proxy.py`` keeps one :class:`BackendPool` for its prefill and one for
 its decode instances and sends every backend call through :meth:`BackendPool.post`.
 A backend that could not be reached or answered 5xx is marked down for a
 back-off; round robin passes over it while the mark runs and another backend of
@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvbridge.http_common import ApiError
+from kvbridge.serving.http_common import ApiError
 
 __all__ = ["BackendPool", "ClientErrorAnswer", "NoBackendError", "error_text",
            "is_lost_connection"]

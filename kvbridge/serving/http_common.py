@@ -1,6 +1,6 @@
 """HTTP pieces shared by the engine server and the P/D proxy.
 
-``kvbridge/engine/server.py`` and ``kvbridge/proxy.py`` both answer
+``kvbridge/serving/server.py`` and ``kvbridge/serving/proxy.py`` both answer
 OpenAI-style JSON errors, read request bodies under a size limit, stream SSE
 and notice clients that go away; this module holds that once. It imports no
 torch, so the proxy stays quick to start.

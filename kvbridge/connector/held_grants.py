@@ -1,0 +1,140 @@
+"""P side of ``ConnectorScheduler``: finished prefills held for remote readers.
+
+``ConnectorScheduler`` (``scheduler.py``) owns one :class:`HeldGrants`. When a
+``do_remote_decode`` request finishes on P, :meth:`HeldGrants.hold` keeps its
+prompt's blocks under a fresh grant token (a ``SendRequest`` for the workers)
+and returns the ``kv_transfer_params`` D reads with. A hold ends when the
+workers report the request as finished sending: every reader reported, the
+lease ended, or the grant was revoked (:meth:`HeldGrants.revoke`)::
+
+    hold  -> SendRequest (next step) -> readers read ... -> finished_sending -> release
+                 revoke -> reqs_to_release (next step) ---^
+
+Each grant is bound to the prompt tokens it holds and to their blocks
+(``binding.py``): P issues it with the digest of its prompt, and the transfer
+agent refuses a read whose digest differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable, Sequence
+
+from kvbridge.connector.binding import kv_digest
+from kvbridge.connector.metadata import SendRequest
+from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.request import ConnectorRequest
+from kvbridge.topology import EngineTopology
+
+__all__ = ["HeldGrants"]
+
+logger = logging.getLogger(__name__)
+
+
+class HeldGrants:
+    """Grants this engine serves, from the prefill's end until its blocks go back.
+
+    Args:
+        engine_id: this engine's id, handed to readers.
+        host: host readers connect to.
+        base_port: transfer base port (0: the ports come with ``set_ports``).
+        topology: this engine's topology (its TP and PP sizes go to readers).
+        block_size: tokens per block.
+        lease_s: how long blocks are held for readers.
+        clock: wall clock (epoch seconds) for ``expires_at``.
+    """
+
+    def __init__(
+        self, engine_id: str, host: str, base_port: int, topology: EngineTopology,
+        block_size: int, *, lease_s: float, clock: Callable[[], float],
+    ) -> None:
+        self.engine_id, self.host, self.base_port = engine_id, host, base_port
+        self.topology, self.block_size, self.lease_s = topology, block_size, lease_s
+        self._clock = clock
+        self._ports: list[int] = []  # per global rank, when base_port is 0
+        self._held: dict[str, int] = {}  # request -> blocks held for readers
+        self._to_send: list[SendRequest] = []
+        self._to_release: list[str] = []
+        self.num_issued = 0
+        self.num_released = 0
+
+    def set_ports(self, ports: Sequence[int]) -> None:
+        """Where each worker's transfer agent listens (index: global rank; the caller checks)."""
+        self._ports = list(ports)
+
+    def hold(self, request: ConnectorRequest, block_ids: list[int]) -> KVTransferParams | None:
+        """Hold a finished prefill's blocks for readers under a new grant.
+
+        Args:
+            request: a finished ``do_remote_decode`` request.
+            block_ids: its blocks in token order (one group).
+
+        Returns:
+            The params D reads with (the blocks stay held until ``release``), or
+            ``None`` when nothing is served: under two tokens, ports unknown, or
+            blocks that cannot be bound to the prompt.
+        """
+        request_id = request.request_id
+        num_tokens = min(request.num_prompt_tokens, len(block_ids) * self.block_size)
+        if num_tokens < 2:  # D recomputes the last prompt token anyway: nothing to read
+            return None
+        if not (self.base_port or self._ports):
+            logger.warning("request %r: the workers' ports are not known yet; not serving "
+                           "its KV", request_id)
+            return None
+        held = block_ids[: math.ceil(num_tokens / self.block_size)]
+        try:
+            # binds the grant to these tokens in these blocks (binding.py): D sends
+            # the digest of its own prompt and P's reads are refused unless it is equal
+            digest = kv_digest(request.prompt_token_ids[:num_tokens], held)
+        except ValueError as exc:
+            logger.warning("request %r: cannot serve its KV: %s", request_id, exc)
+            return None
+        grant = secrets.token_urlsafe(16)
+        self._to_send.append(SendRequest(
+            request_id=request_id, block_ids=held, grant=grant, lease_s=self.lease_s,
+            kv_digest=digest))
+        self._held[request_id] = len(held)
+        self.num_issued += 1
+        topo = self.topology
+        return KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
+            remote_port=self._ports[0] if self._ports else self.base_port,
+            remote_ports=list(self._ports), remote_block_ids=held, remote_tp_size=topo.tp_size,
+            remote_pp_size=topo.pp_size, remote_block_size=self.block_size,
+            remote_num_tokens=num_tokens, grant=grant, expires_at=self._clock() + self.lease_s,
+        )
+
+    def revoke(self, request_id: str) -> bool:
+        """``ConnectorScheduler.revoke``: True if held (released in a later step)."""
+        if request_id not in self._held:
+            return False
+        self._to_release.append(request_id)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """The workers finished sending the request: its hold is over (if it was held)."""
+        if self._held.pop(request_id, None) is not None:
+            self.num_released += 1
+
+    def dispatch(self) -> tuple[list[SendRequest], list[str]]:
+        """This step's work for the workers: new grants and revocations (then cleared)."""
+        work = self._to_send, self._to_release
+        self._to_send, self._to_release = [], []
+        return work
+
+    def has_pending_work(self) -> bool:
+        """Grants to send or revoke, or blocks held (holds end only through engine steps)."""
+        return bool(self._to_send or self._to_release or self._held)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks held for remote readers right now."""
+        return sum(self._held.values())
+
+    @property
+    def num_held_requests(self) -> int:
+        """Requests whose blocks are held right now."""
+        return len(self._held)

@@ -1,0 +1,324 @@
+"""D side of ``ConnectorScheduler``: the requests this engine loads from a remote prefill.
+
+``ConnectorScheduler`` (``scheduler.py``) owns one :class:`RemoteLoads` and
+forwards the engine's D-side calls to it (see its docstring for the order). A
+load goes through::
+
+    planned     get_num_new_matched_tokens said "load": tokens known, no blocks yet
+    allocated   update_state_after_alloc recorded its blocks (a RecvRequest)
+    dispatched  in a ConnectorMetadata the workers received; they are reading
+    finished    every worker reported; ok, or some blocks invalid
+
+A request that will not load (a full local hit, an expired lease, an abort) is
+*given back*: the workers tell P (a ``NotifyRequest``) so P frees its blocks
+without waiting for its lease.
+
+Token arithmetic. P computed the KV of prompt tokens ``[0, n)``. The last
+prompt token is always recomputed on D (its logits give the first token), so
+D loads at most up to ``end = min(n, num_prompt_tokens - 1)``::
+
+    prompt     0 ............................................ num_prompt_tokens
+    local hit  |==== num_local ====|                             (D's prefix cache)
+    loaded                         |===== num_ext =====|         (from P)
+    computed on D                                      |== >= 1 ==|
+                                                      end
+
+``num_ext = end - num_local``; zero (a full local hit, or a one-token prompt)
+means no load: the grant is given back to P with a notice. After a successful
+load ``num_computed_tokens = num_local + num_ext <= num_prompt_tokens - 1``, so
+the engine never needs to subtract anything itself.
+
+P and D block sizes may differ. ``num_local`` is a multiple of D's block size;
+a load starting inside a P block reads that P block and skips its first tokens
+on arrival. Every request is loaded at most once and a loaded request is never
+served onward (no transfer loops). D reads with the digest of its own prompt
+(``binding.py``): P refuses a read for another prompt's KV, and D recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvbridge.connector.binding import kv_digest
+from kvbridge.connector.metadata import NotifyRequest, RecvRequest
+from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.request import BlockIds, ConnectorRequest
+from kvbridge.errors import ConfigError
+
+__all__ = ["LoadState", "RemoteLoads"]
+
+logger = logging.getLogger(__name__)
+
+LoadState = Literal["planned", "allocated", "dispatched"]
+
+
+@dataclass(slots=True)
+class _Load:
+    """D: one request's load, from planning to its finish."""
+
+    params: KVTransferParams
+    first_token: int
+    num_tokens: int
+    kv_digest: bytes  # of D's own prompt and the params' blocks (binding.py)
+    recv: RecvRequest | None = None  # set once blocks are allocated
+    dispatched: bool = False  # in a metadata the workers received
+    aborted: bool = False
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def written_block_ids(self, block_size: int) -> list[int]:
+        assert self.recv is not None
+        end_block = math.ceil(self.recv.end_token / block_size)
+        return self.recv.local_block_ids[self.first_token // block_size : end_block]
+
+
+class RemoteLoads:
+    """Loads of remote prefills into this engine's blocks, from planning to finish.
+
+    Args:
+        block_size: this engine's tokens per block.
+        may_load: False on a prefill-only engine: every load is refused (the
+            request prefills locally and its grant is given back).
+        clock: wall clock (epoch seconds), compared with a grant's ``expires_at``.
+    """
+
+    def __init__(self, block_size: int, *, may_load: bool, clock: Callable[[], float]) -> None:
+        self.block_size = block_size
+        self.may_load = may_load
+        self._clock = clock
+        self._planned: dict[str, _Load] = {}  # asked, blocks not allocated yet
+        self._loads: dict[str, _Load] = {}  # allocated, until the workers finish
+        self._block_owner: dict[int, str] = {}  # written block id -> loading request
+        self._consumed: set[str] = set()  # remote params used up (load at most once)
+        self._to_notify: list[NotifyRequest] = []
+        self._finished: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._failed: dict[str, tuple[list[int], set[int]]] = {}  # request -> (ids, bad)
+        self.num_started = 0  # loads dispatched to the workers
+        self.num_failed = 0  # finished loads with invalid blocks
+        self.num_local_hits_skipped = 0  # not read: the local prefix cache had it all
+
+    def plan(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """``ConnectorScheduler.get_num_new_matched_tokens``: tokens to load, and whether to."""
+        params = request.kv_transfer_params
+        request_id = request.request_id
+        if params is None or not params.do_remote_prefill:
+            return 0, False
+        if request_id in self._consumed or request_id in self._loads:
+            return 0, False
+        if not self.may_load:
+            logger.warning("request %r asks a prefill-only engine to load KV: prefilling "
+                           "locally", request_id)
+            self._give_back(request_id, params, ok=False)
+            return 0, False
+        if params.expires_at is not None and params.expires_at <= self._clock():
+            logger.warning("request %r: the remote prefill's lease ended %.1fs ago; "
+                           "prefilling locally", request_id, self._clock() - params.expires_at)
+            self._consumed.add(request_id)
+            return 0, False
+        assert params.remote_block_size is not None  # parse_kv_transfer_params checked
+        num_prompt = request.num_prompt_tokens
+        end = min(params.remote_num_tokens, num_prompt - 1)
+        start = num_computed_tokens
+        if end <= start:
+            self.num_local_hits_skipped += 1
+            self._give_back(request_id, params, ok=True)
+            return 0, False
+        if start % self.block_size:  # not a prefix hit: blocks before it are not whole
+            logger.info("request %r: cannot load from token %d (block size %d); prefilling "
+                        "locally", request_id, start, self.block_size)
+            self._give_back(request_id, params, ok=True)
+            return 0, False
+        try:
+            # D's own prompt, not P's: P refuses the read unless they are the same
+            digest = kv_digest(request.prompt_token_ids[: params.remote_num_tokens],
+                               params.remote_block_ids)
+        except ValueError as exc:
+            logger.warning("request %r: %s; prefilling locally", request_id, exc)
+            self._give_back(request_id, params, ok=False)
+            return 0, False
+        self._planned[request_id] = _Load(params, start, end - start, digest)
+        return end - start, True
+
+    def record_allocation(
+        self, request: ConnectorRequest, blocks: BlockIds, num_external_tokens: int
+    ) -> None:
+        """``ConnectorScheduler.update_state_after_alloc``: where the remote tokens land.
+
+        Raises:
+            ConfigError: more external tokens than planned, several groups, or
+                too few blocks for the tokens (nothing recorded).
+        """
+        request_id = request.request_id
+        load = self._planned.get(request_id)
+        if load is None:
+            return
+        block_groups = blocks.get_block_ids()
+        num_needed = math.ceil((load.first_token + num_external_tokens) / self.block_size)
+        if (num_external_tokens > load.num_tokens or len(block_groups) != 1
+                or len(block_groups[0]) < num_needed):
+            raise ConfigError(
+                f"request {request_id!r}: {num_external_tokens} external tokens (planned "
+                f"{load.num_tokens}) from token {load.first_token} need {num_needed} blocks in "
+                f"1 group, got {[len(group) for group in block_groups]}"
+            )
+        del self._planned[request_id]
+        self._consumed.add(request_id)
+        if num_external_tokens == 0:
+            self._give_back(request_id, load.params, ok=True)
+            return
+        p = load.params
+        assert p.remote_engine_id and p.remote_host and p.remote_port and p.grant
+        assert p.remote_block_size is not None
+        load.num_tokens = num_external_tokens
+        load.recv = RecvRequest(
+            request_id=request_id, local_block_ids=block_groups[0][:num_needed],
+            first_token=load.first_token, num_tokens=num_external_tokens,
+            remote_engine_id=p.remote_engine_id, remote_host=p.remote_host,
+            remote_port=p.remote_port, remote_ports=list(p.remote_ports),
+            remote_tp_size=p.remote_tp_size,
+            remote_pp_size=p.remote_pp_size, remote_block_size=p.remote_block_size,
+            remote_block_ids=list(p.remote_block_ids), grant=p.grant,
+            kv_digest=load.kv_digest,
+        )
+        self._loads[request_id] = load
+        for block_id in load.written_block_ids(self.block_size):
+            self._block_owner[block_id] = request_id
+
+    def dispatch(self) -> tuple[list[RecvRequest], list[NotifyRequest]]:
+        """This step's work for the workers: new loads and give-back notices (then cleared)."""
+        recvs = [load.recv for load in self._loads.values() if not load.dispatched]
+        for load in self._loads.values():
+            load.dispatched = True
+        self.num_started += len(recvs)
+        notices, self._to_notify = self._to_notify, []
+        return [recv for recv in recvs if recv is not None], notices
+
+    def mark_invalid(self, block_ids: Iterable[int]) -> None:
+        """Blocks a worker reported holding no valid KV, charged to the loads writing them."""
+        for block_id in block_ids:
+            owner = self._block_owner.get(block_id)
+            if owner is not None:
+                self._loads[owner].invalid_block_ids.add(block_id)
+            else:
+                logger.warning("invalid block %d belongs to no load in flight", block_id)
+
+    def finish(self, request_id: str) -> bool:
+        """Every worker is done with this request's load.
+
+        Returns:
+            True when the request was aborted during its load: its blocks,
+            kept until now, may be freed (``take_finished_sending``). Otherwise
+            the request is among the next ``take_finished``.
+        """
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            logger.warning("finished load of unknown request %r", request_id)
+            return False
+        written = load.written_block_ids(self.block_size)
+        for block_id in written:
+            self._block_owner.pop(block_id, None)
+        if load.invalid_block_ids:
+            self.num_failed += 1
+        if load.aborted:  # its blocks were kept only until the workers let go
+            return True
+        if load.invalid_block_ids:
+            assert load.recv is not None
+            self._failed[request_id] = (load.recv.local_block_ids, set(load.invalid_block_ids))
+            self._invalid_block_ids |= load.invalid_block_ids
+        self._finished.add(request_id)
+        return False
+
+    def take_finished(self) -> set[str]:
+        """Requests whose load ended (ok or not) since the last call."""
+        done, self._finished = self._finished, set()
+        return done
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """Local block ids of finished loads that failed, since the last call."""
+        bad, self._invalid_block_ids = self._invalid_block_ids, set()
+        return bad
+
+    def first_bad_token(
+        self, request: ConnectorRequest, invalid_block_ids: Iterable[int]
+    ) -> tuple[int, set[int]] | None:
+        """Where a request whose load finished must resume computing.
+
+        Returns:
+            ``None`` when its loaded KV is complete; else the token index of its
+            first bad block and the request's bad block ids.
+        """
+        block_ids, bad = self._failed.pop(request.request_id, ([], set()))
+        bad = bad | (set(invalid_block_ids) & set(block_ids))
+        indices = [index for index, block_id in enumerate(block_ids) if block_id in bad]
+        if not indices:
+            return None
+        return indices[0] * self.block_size, bad
+
+    def end_request(self, request: ConnectorRequest) -> bool | None:
+        """A request finished or was aborted: settle its load, if it asked for one.
+
+        Returns:
+            ``None`` when the request asked for no load (it may be served to
+            readers); else whether its blocks must wait: True while a worker
+            may still be writing into them (``finish`` then returns True).
+        """
+        request_id = request.request_id
+        try:
+            return self._end_request(request)
+        finally:
+            self._consumed.discard(request_id)
+            self._failed.pop(request_id, None)
+
+    def _end_request(self, request: ConnectorRequest) -> bool | None:
+        request_id = request.request_id
+        self._planned.pop(request_id, None)
+        load = self._loads.get(request_id)
+        if load is not None:
+            if load.dispatched:  # a worker may be writing into the blocks: wait for it
+                load.aborted = True
+                return True
+            del self._loads[request_id]
+            for block_id in load.written_block_ids(self.block_size):
+                self._block_owner.pop(block_id, None)
+            self._give_back(request_id, load.params, ok=False)
+            return False
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill:
+            return None
+        if request_id not in self._consumed:  # ended before its load was planned
+            self._give_back(request_id, params, ok=False)
+        return False
+
+    def state(self, request_id: str) -> LoadState | None:
+        """``ConnectorScheduler.load_state``."""
+        if request_id in self._planned:
+            return "planned"
+        load = self._loads.get(request_id)
+        if load is None:
+            return None
+        return "dispatched" if load.dispatched else "allocated"
+
+    def has_pending_work(self) -> bool:
+        """Notices to send or loads in flight (both end only through engine steps)."""
+        return bool(self._to_notify or self._loads)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Loads dispatched to the workers and not finished."""
+        return sum(1 for load in self._loads.values() if load.dispatched)
+
+    def _give_back(self, request_id: str, params: KVTransferParams, *, ok: bool) -> None:
+        """Tell P (through the workers) that this engine will not read the request."""
+        self._consumed.add(request_id)
+        if not (params.remote_engine_id and params.remote_host and params.remote_port
+                and params.grant):
+            return
+        self._to_notify.append(NotifyRequest(
+            request_id=request_id, remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host, remote_port=params.remote_port,
+            remote_ports=list(params.remote_ports), grant=params.grant, ok=ok,
+        ))

@@ -1,0 +1,1 @@
+"""HTTP: the engine's OpenAI-style server, the P/D proxy, metrics."""

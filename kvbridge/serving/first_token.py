@@ -1,0 +1,242 @@
+"""P's first token goes to the client: D continues from it instead of computing it again.
+
+A P/D proxy asks P for one token (``max_tokens`` 1) so that P builds the
+prompt's KV. P samples that token anyway; the classic flow (vLLM's toy proxy,
+``NixlConnector``) throws it away and lets D compute it again from the loaded
+KV, so the client waits for P *and* for D's first step before its first
+token. Here the proxy sends P's token to the client as soon as P answers and
+asks D for the rest, with the token appended to D's prompt::
+
+    P: prompt                      -> t1        (KV of the prompt, held for D)
+    D: prompt + [t1], max_tokens-1 -> t2 t3 ...  (loads the prompt's KV from P,
+                                                 computes t1's position only)
+    client: t1 (at P's answer), then t2 t3 ... as D streams them
+
+D's answer is then exactly colocated decoding after t1: greedy answers equal a
+single server's token for token. Only requests whose answer cannot depend on
+where t1 was sampled take this path (:func:`plan`): one prompt, one choice,
+no logprobs, echo, stop strings (one could span t1 and D's first token),
+penalties on output tokens or structured output, no seed with sampling (D's
+generator would start one token late), an explicit ``max_tokens`` >= 2, and
+only keys known to be safe. Everything else takes the classic flow.
+
+P must return its token ids (vLLM: ``return_token_ids``): an answer without
+``choices[0].token_ids`` and ``prompt_token_ids`` falls back to the classic
+flow for that request. Pure functions; the proxy does the HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FirstToken",
+    "decode_body",
+    "first_event",
+    "merge_answer",
+    "only_first",
+    "plan",
+    "prefill_body",
+    "release_body",
+    "rewrite_events",
+    "take",
+]
+
+# Keys whose meaning does not change when t1 moves from D's output to its prompt.
+_SAFE_KEYS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stream",
+    "stream_options", "ignore_eos", "stop_token_ids", "min_tokens", "repetition_penalty",
+    "skip_special_tokens", "spaces_between_special_tokens", "return_token_ids", "user",
+    "seed", "n", "best_of", "echo", "logprobs", "stop", "kv_transfer_params",
+    "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+})
+
+
+def plan(body: dict[str, Any]) -> bool:
+    """Whether this completion request may take the first-token path."""
+    if not body.keys() <= _SAFE_KEYS:
+        return False
+    prompt = body.get("prompt")
+    single = isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+    max_tokens = body.get("max_tokens")
+    sampled = body.get("temperature", 1.0) != 0
+    return (
+        single
+        and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 2
+        and body.get("n", 1) in (1, None) and body.get("best_of", 1) in (1, None)
+        and not body.get("echo") and body.get("logprobs") is None and not body.get("stop")
+        and not body.get("presence_penalty") and not body.get("frequency_penalty")
+        and not (sampled and body.get("seed") is not None)
+    )
+
+
+def prefill_body(body: dict[str, Any], first_token: bool) -> dict[str, Any]:
+    """What P is asked: one token, not streamed, blocks kept for D (and its token ids)."""
+    p_body = {**body, "max_tokens": 1, "stream": False,
+              "kv_transfer_params": {"do_remote_decode": True}}
+    p_body.pop("stream_options", None)  # refused by vLLM without stream
+    if isinstance(body.get("min_tokens"), int):
+        p_body["min_tokens"] = min(body["min_tokens"], 1)  # no EOS as t1 if the client said so
+    if first_token:
+        p_body["return_token_ids"] = True
+    return p_body
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """P's answer, for the client and for D.
+
+    Attributes:
+        answer: P's JSON answer.
+        token_id: the token P sampled.
+        text: its text.
+        prompt_ids: the prompt's token ids as P saw them.
+        finished: P's token ended the request (EOS or a stop token): D only
+            needs to be told to let P's blocks go.
+    """
+
+    answer: dict[str, Any]
+    token_id: int
+    text: str
+    prompt_ids: list[int]
+    finished: bool
+
+
+def take(answer: dict[str, Any]) -> FirstToken | None:
+    """P's token from its answer, or None (classic flow).
+
+    None when the answer lacks the token ids, or when the token's text is not
+    whole: a character whose bytes span P's token and the next one (P, having
+    stopped, shows it as U+FFFD) is only right when D decodes both.
+    """
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    ids, prompt_ids = choice.get("token_ids"), choice.get("prompt_token_ids")
+    text = choice.get("text")
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int)
+            and isinstance(prompt_ids, list) and prompt_ids
+            and all(isinstance(t, int) for t in prompt_ids) and isinstance(text, str)
+            and "\ufffd" not in text):
+        return None
+    return FirstToken(answer, ids[0], text, prompt_ids, choice.get("finish_reason") == "stop")
+
+
+def decode_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any] | None
+                ) -> dict[str, Any]:
+    """What D is asked: the rest of the answer after P's token."""
+    d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    d_body["prompt"] = [*first.prompt_ids, first.token_id]
+    d_body["max_tokens"] = body["max_tokens"] - 1
+    if isinstance(body.get("min_tokens"), int):
+        d_body["min_tokens"] = max(0, body["min_tokens"] - 1)
+    if params is not None:
+        d_body["kv_transfer_params"] = params
+    return d_body
+
+
+def release_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """A one-token D request whose only purpose is that P's held blocks are read and let go."""
+    return {"model": body.get("model"), "prompt": [*first.prompt_ids, first.token_id],
+            "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": params}
+
+
+def _fix_choice(choice: dict[str, Any], first: FirstToken, wants_ids: bool,
+                prepend: bool) -> None:
+    if prepend:
+        choice["text"] = first.text + str(choice.get("text") or "")
+        if isinstance(choice.get("token_ids"), list):  # D gave its tokens: P's comes first
+            choice["token_ids"] = [first.token_id, *choice["token_ids"]]
+    if isinstance(choice.get("prompt_token_ids"), list):
+        choice["prompt_token_ids"] = first.prompt_ids if wants_ids else None
+
+
+def _fix_usage(usage: Any) -> None:
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        usage["prompt_tokens"] -= 1
+        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
+
+
+def merge_answer(body: dict[str, Any], first: FirstToken, d_answer: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The client's whole (non-streamed) answer: P's token, then D's."""
+    merged = dict(d_answer)
+    wants_ids = bool(body.get("return_token_ids"))
+    choices = [dict(c) for c in merged.get("choices") or [] if isinstance(c, dict)]
+    for choice in choices[:1]:
+        _fix_choice(choice, first, wants_ids, prepend=True)
+    merged["choices"] = choices
+    if isinstance(merged.get("usage"), dict):
+        merged["usage"] = dict(merged["usage"])
+        _fix_usage(merged["usage"])
+    return merged
+
+
+def only_first(body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
+    """The client's answer when P's token ended the request (P's answer, for the client)."""
+    answer = {k: v for k, v in first.answer.items() if k != "kv_transfer_params"}
+    choice = dict(answer["choices"][0])
+    if not body.get("return_token_ids"):
+        choice["prompt_token_ids"] = None
+    answer["choices"] = [choice]
+    return answer
+
+
+def first_event(body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
+    """The stream's first event: P's token (finished if it ended the request)."""
+    wants_ids = bool(body.get("return_token_ids"))
+    choice: dict[str, Any] = {
+        "index": 0, "text": first.text, "logprobs": None,
+        "finish_reason": "stop" if first.finished else None,
+        "stop_reason": first.answer["choices"][0].get("stop_reason") if first.finished else None,
+    }
+    choice["token_ids"] = [first.token_id]
+    if wants_ids:
+        choice["prompt_token_ids"] = first.prompt_ids
+    event = {key: first.answer.get(key) for key in ("id", "created", "model")}
+    event.update(object="text_completion", choices=[choice])
+    return event
+
+
+async def rewrite_events(body: dict[str, Any], first: FirstToken, chunks: AsyncIterator[bytes]
+                         ) -> AsyncIterator[bytes]:
+    """D's SSE stream as the client must see it after P's token.
+
+    Each ``data:`` event is a JSON object: its prompt token ids lose t1 (the
+    client's prompt did not have it), its usage counts t1 as output, its id is
+    P's. Bytes are passed on per whole event; a non-JSON event passes as it is.
+    """
+    wants_ids = bool(body.get("return_token_ids"))
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *events, pending = pending.split(b"\n\n")
+        for raw in events:
+            yield _rewrite_event(raw, first, wants_ids) + b"\n\n"
+    if pending:
+        yield pending
+
+
+def _rewrite_event(raw: bytes, first: FirstToken, wants_ids: bool) -> bytes:
+    if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+        return raw
+    try:
+        event = json.loads(raw[6:])
+    except ValueError:
+        return raw
+    if not isinstance(event, dict):
+        return raw
+    if "id" in event and first.answer.get("id") is not None:
+        event["id"] = first.answer["id"]
+    for choice in event.get("choices") or []:
+        if isinstance(choice, dict):
+            _fix_choice(choice, first, wants_ids, prepend=False)
+    _fix_usage(event.get("usage"))
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode()

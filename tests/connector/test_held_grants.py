@@ -1,0 +1,83 @@
+"""HeldGrants on its own: P's holds from a finished prefill to the release of its blocks.
+
+``tests/connector/test_scheduler.py`` drives it through ``ConnectorScheduler``;
+these tests pin the part's own contract (what it queues, counts and returns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvbridge.connector.binding import kv_digest
+from kvbridge.connector.held_grants import HeldGrants
+from kvbridge.connector.params import KVTransferParams
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology
+
+NOW = 1_800_000_000.0
+BS = 16
+
+
+@dataclass(frozen=True)
+class Req:
+    """A finished engine request as ``ConnectorRequest`` sees it."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    kv_transfer_params: KVTransferParams | None = None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def holder(base_port: int = 7000) -> HeldGrants:
+    topo = EngineTopology(tp_size=2, pp_size=1, block_size=BS, num_kv_heads=4, is_mla=False,
+                          layout=KVLayout.HND, num_layers=2)
+    return HeldGrants("me", "10.0.0.2", base_port, topo, BS, lease_s=30.0, clock=lambda: NOW)
+
+
+def test_hold_queues_a_grant_for_the_prompt_blocks_until_release() -> None:
+    grants = holder()
+    prompt = list(range(40))
+    params = grants.hold(Req("r", prompt), [5, 6, 7, 8])  # 40 tokens fill 3 blocks of 16
+    assert params is not None
+    assert (params.remote_block_ids, params.remote_num_tokens) == ([5, 6, 7], 40)
+    assert (params.remote_engine_id, params.remote_host, params.remote_port) == (
+        "me", "10.0.0.2", 7000)
+    assert (params.remote_tp_size, params.remote_block_size) == (2, BS)
+    assert params.expires_at == NOW + 30.0 and params.do_remote_prefill
+    sends, releases = grants.dispatch()
+    assert releases == [] and len(sends) == 1
+    assert (sends[0].request_id, sends[0].block_ids, sends[0].grant) == ("r", [5, 6, 7],
+                                                                         params.grant)
+    assert sends[0].kv_digest == kv_digest(prompt, [5, 6, 7])
+    assert grants.dispatch() == ([], [])
+    assert (grants.num_held_blocks, grants.num_held_requests, grants.num_issued) == (3, 1, 1)
+    assert grants.has_pending_work()  # held blocks end only through worker outputs
+
+    assert grants.revoke("r") and not grants.revoke("other")
+    assert grants.dispatch() == ([], ["r"])
+    grants.release("r")
+    grants.release("r")  # reported twice: released once
+    assert (grants.num_held_blocks, grants.num_held_requests, grants.num_released) == (0, 0, 1)
+    assert not grants.has_pending_work()
+
+
+def test_hold_serves_nothing_without_two_tokens_or_known_ports() -> None:
+    assert holder().hold(Req("one", [7]), [5]) is None  # D recomputes the only token
+    unported = holder(base_port=0)
+    assert unported.hold(Req("r", list(range(20))), [5, 6]) is None
+    assert unported.num_issued == 0 and unported.dispatch() == ([], [])
+    unported.set_ports([7100, 7101])
+    params = unported.hold(Req("r", list(range(20))), [5, 6])
+    assert params is not None
+    assert (params.remote_port, params.remote_ports) == (7100, [7100, 7101])
+
+
+def test_hold_refuses_blocks_that_cannot_be_bound_to_the_prompt() -> None:
+    grants = holder()
+    assert grants.hold(Req("r", list(range(20))), [-1, 6]) is None
+    assert grants.num_issued == 0 and not grants.has_pending_work()

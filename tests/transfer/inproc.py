@@ -1,0 +1,198 @@
+"""Both halves of the transfer protocol in this process, on one event loop (test helper).
+
+Two ``UcxWorker``s on loopback, as ucxx's own tests pair them: a server worker
+whose listener runs ``server.serve_connection`` (or a scripted fake server), and
+a reader worker under a ``read_job.Reads`` or a bare ``PeerLink``. No child
+process, no agent thread: a test drives everything from ``asyncio.run`` and can
+reach both sides' tables between two awaits. The server's grant table runs on a
+``ManualClock``, so leases end when a test says so.
+
+Used by ``test_transport_inproc.py`` and ``test_link_inproc.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbridge.layout import KVLayout
+from kvbridge.topology import EngineTopology, RemoteRead, build_read_plan
+from kvbridge.transfer import wire
+from kvbridge.transfer.clock import ManualClock
+from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info, topology_of
+from kvbridge.transfer.grants import GrantTable
+from kvbridge.transfer.handshake import Identity, recv_msg, send_msg, serve_handshake
+from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
+from kvbridge.transfer.reader import PeerLink, ReaderContext
+from kvbridge.transfer.security import CompatInfo, compat_hash
+from kvbridge.transfer.server import ServerContext, serve_connection
+from kvbridge.transfer.staging import BufferPool
+from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+
+HOST = "127.0.0.1"
+SERVER_ID, READER_ID = "p-inproc", "d-inproc"
+BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 4, 2, 8, 2, 32
+BLOCK_NBYTES = 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2  # K and V of one layer, bfloat16
+TOPOLOGY = EngineTopology(
+    tp_size=1, pp_size=1, block_size=BLOCK_SIZE, num_kv_heads=HEADS, is_mla=False,
+    layout=KVLayout.NHD, num_layers=LAYERS,
+)
+COMPAT = CompatInfo("inproc", "bfloat16", num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                    num_layers=LAYERS, layout=KVLayout.NHD, block_size=BLOCK_SIZE, is_mla=False)
+#: Short deadlines (a broken test fails in seconds) and small chunks (one block
+#: each, so a few blocks make a read of several chunks).
+FAST = dict(connect_timeout_s=5.0, handshake_timeout_s=5.0, reply_timeout_s=5.0,
+            chunk_timeout_s=5.0, read_timeout_s=20.0, heartbeat_s=5.0,
+            chunk_nbytes=BLOCK_NBYTES * LAYERS, window_chunks=1, local_copy=False)
+
+
+def caches(seed: int | None) -> list[torch.Tensor]:
+    """One ``[2, blocks, block_size, heads, head_dim]`` cache per layer (zeros: ``None``)."""
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def same_blocks(src: LocalKV, src_ids: list[int], dst: LocalKV, dst_ids: list[int]) -> bool:
+    """Whether every layer's K and V of ``src_ids`` equal those of ``dst_ids``."""
+    return all(torch.equal(a[:, src_ids], b[:, dst_ids]) for a, b in zip(src.layers, dst.layers,
+                                                                          strict=True))
+
+
+def identity(engine_id: str) -> Identity:
+    return Identity(engine_id, 0, compat_hash(COMPAT), None, topology_info(TOPOLOGY))
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,
+                     what: str = "a condition") -> None:
+    """Let the loop run until ``predicate()`` holds (AssertionError after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        await asyncio.sleep(0.005)
+
+
+@dataclass
+class Server:
+    """A real server session behind a listener; its grant table on a manual clock."""
+
+    worker: UcxWorker
+    ctx: ServerContext
+    clock: ManualClock
+    port: int
+
+
+@dataclass
+class Reader:
+    """The reading half: jobs (``Reads``) over links it opens to the server."""
+
+    worker: UcxWorker
+    ctx: ReaderContext
+    reads: Reads
+    port: int
+    outcomes: dict[str, TransferStats] = field(default_factory=dict)
+    failed: dict[str, set[int]] = field(default_factory=dict)
+
+    def submit(self, request_id: str, grant: str, remote_ids: list[int],
+               local_ids: list[int]) -> None:
+        """Read whole blocks ``remote_ids`` into ``local_ids`` (returns at once)."""
+        self.reads.submit(ReadJob(request_id, SERVER_ID, HOST, self.port, tuple(remote_ids),
+                                  tuple(local_ids), grant, BLOCK_SIZE * len(remote_ids),
+                                  time.monotonic()))
+
+    async def outcome(self, request_id: str, timeout_s: float = 15.0) -> TransferStats:
+        """Wait for the read's outcome (``ok`` and ``error`` in the stats)."""
+
+        def ended() -> bool:
+            self.reads.take_finished()
+            self.failed.update(self.reads.take_failed())
+            self.outcomes.update((s.request_id, s) for s in self.reads.take_stats())
+            return request_id in self.outcomes
+
+        await wait_until(ended, timeout_s, f"read {request_id}")
+        return self.outcomes[request_id]
+
+
+@asynccontextmanager
+async def server_and_reader(
+    server_config: dict[str, Any] | None = None, reader_config: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[Server, Reader]]:
+    """A server session and a reader of it, closed on exit."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
+    s_cfg = AgentConfig(**{**FAST, **(server_config or {})})
+    r_cfg = AgentConfig(**{**FAST, **(reader_config or {})})
+    clock = ManualClock(1000.0)
+    grants = GrantTable(clock, s_cfg.lease_s, 10 * s_cfg.lease_s)
+    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
+    s_ctx = ServerContext(identity(SERVER_ID), s_local, grants, s_cfg, BufferPool(4), executor,
+                          clock)
+    s_worker, r_worker = UcxWorker(), UcxWorker()
+    reads: Reads | None = None
+    try:
+        port = s_worker.listen(0, lambda conn: serve_connection(s_ctx, conn), timeout_s=5.0)
+        r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
+                              r_cfg, BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks),
+                              executor)
+        reads = Reads(r_ctx, r_worker, f"{READER_ID}:0")
+        yield Server(s_worker, s_ctx, clock, port), Reader(r_worker, r_ctx, reads, port)
+    finally:
+        if reads is not None:
+            await reads.close()
+        await r_worker.close()
+        await s_worker.close()
+        executor.shutdown(wait=True)
+
+
+Script = Callable[[UcxConnection, wire.MessageCodec, wire.Message], Awaitable[None]]
+
+
+@asynccontextmanager
+async def fake_server_link(
+    answer: Script, reader_config: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[PeerLink, RemoteRead]]:
+    """A ``PeerLink`` to a scripted server: a real handshake, then ``answer`` per message.
+
+    Yields the link and the one item of its read plan (all heads and layers).
+    """
+    executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
+    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
+    codec = wire.MessageCodec()
+
+    async def session(conn: UcxConnection) -> None:
+        hello = await serve_handshake(conn, codec, identity(SERVER_ID),
+                                      s_local.metadata(SERVER_ID, None), max_nbytes=1 << 20,
+                                      timeout_s=5.0)
+        assert hello is not None
+        while not conn.closed:
+            msg = await recv_msg(conn, codec, 1 << 20, 30.0)
+            if isinstance(msg, wire.Ping):
+                await send_msg(conn, codec, wire.Pong(msg.seq), 5.0)
+            else:
+                await answer(conn, codec, msg)
+
+    s_worker, r_worker = UcxWorker(), UcxWorker()
+    link: PeerLink | None = None
+    try:
+        port = s_worker.listen(0, session, timeout_s=5.0)
+        r_cfg = AgentConfig(**{**FAST, "direct_reads": False, **(reader_config or {})})
+        r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
+                              r_cfg, BufferPool(4), executor)
+        link = await PeerLink.open(r_ctx, r_worker, HOST, port, SERVER_ID, 0)
+        plan = build_read_plan(TOPOLOGY, 0, 0, topology_of(link.meta), SERVER_ID)
+        yield link, plan.items[0]
+    finally:
+        if link is not None:
+            await link.close()
+        await r_worker.close()
+        await s_worker.close()
+        executor.shutdown(wait=True)

@@ -1,0 +1,203 @@
+"""A reader's link against a real server session (or a scripted one) in this process.
+
+``reader.py``/``read_job.py`` on one side, ``server.py``'s ``serve_connection``
+on the other, two UCX workers on one event loop (``tests/transfer/inproc.py``).
+The server's grant table runs on a ``ManualClock``: a lease ends when the test
+moves the clock, never by sleeping. Covers issue #20's protocol defects: a
+refused lease renewal fails its own read only, a peer's unexpected answer is a
+``ProtocolError`` (never an assert), a second waiter for one reply is refused,
+and a grant is looked up by the one token its issuer chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import numpy as np
+import pytest
+
+from kvbridge.transfer import wire
+from kvbridge.transfer.errors import (
+    LeaseRefusedError,
+    ProtocolError,
+    RejectedError,
+    ReplyPendingError,
+)
+from kvbridge.transfer.ucx import UcxConnection
+from tests.transfer.inproc import (
+    fake_server_link,
+    same_blocks,
+    server_and_reader,
+    wait_until,
+)
+
+R = wire.RejectReason
+
+
+def token() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def test_a_read_by_the_engine_chosen_token_lands_byte_for_byte() -> None:
+    async def run() -> None:
+        async with server_and_reader() as (server, reader):
+            grant = server.ctx.grants.issue("req", [3, 9, 4], 1, token=(tok := token()))
+            assert grant.token == tok  # the table keeps the issuer's token: no second one
+            reader.submit("req", tok, [3, 9, 4], [0, 1, 2])
+            stats = await reader.outcome("req")
+            assert stats.ok and stats.num_direct == 1, stats
+            assert same_blocks(server.ctx.local, [3, 9, 4], reader.ctx.local, [0, 1, 2])
+            # the reader's done report is counted against that same token
+            await wait_until(lambda: len(server.ctx.grants) == 0, what="grant released")
+            server.ctx.grants.check_integrity()
+
+    asyncio.run(run())
+
+
+def test_a_read_after_the_lease_ended_is_refused_as_expired() -> None:
+    async def run() -> None:
+        async with server_and_reader() as (server, reader):
+            server.ctx.grants.issue("old", [5], 1, lease_s=2.0, token=(tok := token()))
+            server.clock.advance(2.0)  # no sleep: the table's clock says the lease is over
+            reader.submit("old", tok, [5], [0])
+            stats = await reader.outcome("old")
+            assert not stats.ok and "expired_grant" in stats.error, stats
+            assert reader.failed["old"] == {0}
+
+    asyncio.run(run())
+
+
+# Staged reads of 6 one-block chunks, each held back 0.1 s by the server: a read
+# lasts >= 0.6 s, and renews its grant from 0.05 s on, every 0.05 s.
+SLOW = {"test_chunk_delay_s": 0.1}
+RENEWING = {"direct_reads": False, "renew_every_s": 0.05, "lease_s": 1.0}
+BLOCKS = [10, 11, 12, 13, 14, 15]
+
+
+def test_a_refused_renewal_fails_its_own_read_and_no_other() -> None:
+    """Defect: the server refused with ``Reject(xfer_id=0)`` and the reader took
+    that as the connection's end, failing every read on the link."""
+
+    async def run() -> None:
+        async with server_and_reader(SLOW, RENEWING) as (server, reader):
+            grants = server.ctx.grants
+            grants.issue("short", BLOCKS, 1, lease_s=1.0, token=(short := token()))
+            grants.issue("long", BLOCKS, 1, lease_s=100.0, token=(long := token()))
+            reader.submit("short", short, BLOCKS, list(range(6)))
+            reader.submit("long", long, BLOCKS, list(range(6, 12)))
+            # Both reads pinned their grants (each holds a staging buffer once the
+            # server's DataHeader came); then the short lease ends under them.
+            await wait_until(lambda: reader.ctx.pool.num_lent == 2, what="both reads begun")
+            server.clock.advance(5.0)
+            refused, kept = await reader.outcome("short"), await reader.outcome("long")
+            assert not refused.ok and "LeaseRefusedError" in refused.error, refused
+            assert "expired_grant" in refused.error
+            assert kept.ok, kept
+            assert same_blocks(server.ctx.local, BLOCKS, reader.ctx.local, list(range(6, 12)))
+            # the link lived on: a third read goes over the same connection
+            grants.issue("after", [1], 1, token=(after := token()))
+            reader.submit("after", after, [1], [20])
+            assert (await reader.outcome("after")).ok
+            assert server.ctx.num_sessions_total == 1
+
+    asyncio.run(run())
+
+
+def test_two_reads_of_one_grant_renew_at_once_on_one_link() -> None:
+    """Defect: renewals waited under the grant's hash, so the second read's
+    renewal replaced the first's waiter, which then timed out and killed the link."""
+
+    async def run() -> None:
+        cfg = {**RENEWING, "reply_timeout_s": 0.3}  # a read lasts longer than that
+        async with server_and_reader(SLOW, cfg) as (server, reader):
+            # more readers than will report: no release ends the lease under the reads
+            server.ctx.grants.issue("shared", BLOCKS, 5, lease_s=100.0, token=(tok := token()))
+            reader.submit("a", tok, BLOCKS, list(range(6)))
+            reader.submit("b", tok, BLOCKS, list(range(6, 12)))
+            first, second = await reader.outcome("a"), await reader.outcome("b")
+            assert first.ok and second.ok, (first, second)
+            for local in (list(range(6)), list(range(6, 12))):
+                assert same_blocks(server.ctx.local, BLOCKS, reader.ctx.local, local)
+            assert server.ctx.num_sessions_total == 1
+
+    asyncio.run(run())
+
+
+async def _renewals_answered(conn: UcxConnection, codec: wire.MessageCodec,
+                             msg: wire.Message) -> None:
+    if isinstance(msg, wire.RenewLease):
+        answer = wire.LeaseRenewed(msg.grant, 12.5, msg.xfer_id)
+        await conn.send_frame(codec.encode(answer), timeout_s=5.0)
+
+
+def test_a_second_waiter_for_one_reply_is_refused_and_the_first_keeps_it() -> None:
+    async def run() -> None:
+        async with fake_server_link(_renewals_answered) as (link, _):
+            first = asyncio.ensure_future(link.renew("some-grant-token-00", 30.0, 77))
+            await asyncio.sleep(0)  # the first renewal is sent and waits for its answer
+            with pytest.raises(ReplyPendingError, match="already awaited"):
+                await link.renew("some-grant-token-00", 30.0, 77)
+            assert await first == 12.5
+            assert await link.renew("some-grant-token-00", 30.0, 77) == 12.5  # free again
+            assert link.alive
+
+    asyncio.run(run())
+
+
+async def _answer_staged_reads_with_copy_go(conn: UcxConnection, codec: wire.MessageCodec,
+                                            msg: wire.Message) -> None:
+    match msg:
+        case wire.ReadRequest(xfer_id=xfer_id, grant="copy-go-please-0000"):
+            go = wire.CopyGo(xfer_id, np.zeros(4, np.uint64).tobytes(), 1, 0, 1, 5.0)
+            GO_SENT.append(xfer_id)
+            await conn.send_frame(codec.encode(go), timeout_s=5.0)
+        case wire.ReadRequest(xfer_id=xfer_id):
+            reject = wire.Reject(R.UNKNOWN_GRANT, "no such grant", xfer_id)
+            await conn.send_frame(codec.encode(reject), timeout_s=5.0)
+        case wire.CopyDone(xfer_id=xfer_id, ok=ok):
+            COPY_DONE.append((xfer_id, ok))
+
+
+GO_SENT: list[int] = []
+COPY_DONE: list[tuple[int, bool]] = []
+
+
+def test_an_unexpected_answer_to_a_read_is_a_protocol_error_of_that_read() -> None:
+    """Defect: ``assert isinstance(header, wire.DataHeader)`` met a ``CopyGo``."""
+    GO_SENT.clear()
+    COPY_DONE.clear()
+
+    async def run() -> None:
+        async with fake_server_link(_answer_staged_reads_with_copy_go) as (link, item):
+            with pytest.raises(ProtocolError, match="CopyGo .*staged read"):
+                await link.read(item, "copy-go-please-0000", [1, 2], [1, 2], 8)
+            assert link.alive  # nothing was posted for it: the link goes on
+            with pytest.raises(RejectedError, match="unknown_grant"):
+                await link.read(item, "another-grant-0000", [1], [1], 4)
+            # the go pinned a grant on the server: we said at once we will not copy
+            await wait_until(lambda: bool(COPY_DONE), what="CopyDone")
+            [go_id], [(done_id, ok)] = GO_SENT, COPY_DONE
+            assert (done_id, ok) == (go_id, False)
+
+    asyncio.run(run())
+
+
+async def _renewals_answered_wrongly(conn: UcxConnection, codec: wire.MessageCodec,
+                                     msg: wire.Message) -> None:
+    if isinstance(msg, wire.RenewLease):  # a lease answer for another read
+        answer = wire.LeaseRenewed(msg.grant, 3.0, msg.xfer_id + 1)
+        await conn.send_frame(codec.encode(answer), timeout_s=5.0)
+        refused = wire.Reject(R.EXPIRED_GRANT, "expired", msg.xfer_id, renewal=True)
+        await conn.send_frame(codec.encode(refused), timeout_s=5.0)
+
+
+def test_a_refused_renewal_raises_lease_refused_and_keeps_the_link() -> None:
+    async def run() -> None:
+        async with fake_server_link(_renewals_answered_wrongly) as (link, _):
+            with pytest.raises(LeaseRefusedError, match="expired_grant") as refused:
+                await link.renew("some-grant-token-00", 30.0, 4)
+            assert isinstance(refused.value, RejectedError)  # a verdict, like any reject
+            assert link.alive
+
+    asyncio.run(run())

@@ -1,0 +1,183 @@
+"""``transfer/ucx.py`` between two UCX workers of this process, on one event loop.
+
+No child process: a listener, a connection to it, frames and data both ways, a
+peer that went away, deadlines, and the mapping of ucxx's exceptions onto
+``transfer.errors``. Real UCX on loopback, as everywhere in ``tests/transfer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+import ucxx.exceptions as ucx_exc
+
+from kvbridge.transfer.errors import (
+    PeerClosedError,
+    PeerTimeoutError,
+    PeerUnreachableError,
+    ProtocolError,
+    TransferError,
+)
+from kvbridge.transfer.ucx import UcxConnection, UcxWorker, _map_ucx_error
+from tests.transfer.inproc import HOST, wait_until
+
+MAX_FRAME = 4096
+
+
+Connected = tuple[UcxConnection, asyncio.Queue[UcxConnection], UcxWorker]
+
+
+@asynccontextmanager
+async def connected() -> AsyncIterator[Connected]:
+    """A connection from a client worker to a listening worker, the accepted ends, the
+    client worker."""
+    accepted: asyncio.Queue[UcxConnection] = asyncio.Queue()
+    hold = asyncio.Event()
+
+    async def on_connect(conn: UcxConnection) -> None:
+        await accepted.put(conn)
+        await hold.wait()  # the connection is the test's until the worker closes
+
+    server, client = UcxWorker(), UcxWorker()
+    try:
+        port = server.listen(0, on_connect, timeout_s=5.0)
+        conn = await client.connect(HOST, port, timeout_s=5.0)
+        try:
+            yield conn, accepted, client
+        finally:
+            conn.abort()
+    finally:
+        await client.close()
+        await server.close()
+
+
+def test_frames_and_data_go_both_ways() -> None:
+    async def run() -> None:
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            assert far.remote_id == conn.local_id and conn.remote_id == far.local_id
+            await conn.send_frame(b"hello", timeout_s=5.0)
+            assert await far.recv_frame(max_nbytes=MAX_FRAME, timeout_s=5.0) == b"hello"
+            await far.send_frame(b"", timeout_s=5.0)  # an empty frame is a frame
+            assert await conn.recv_frame(max_nbytes=MAX_FRAME, timeout_s=5.0) == b""
+            # a data channel: exactly the posted size, bytes intact
+            data = np.random.default_rng(3).integers(0, 256, 100_000, dtype=np.uint8)
+            into = np.zeros_like(data)
+            arrived = far.post_recv(into, 7)
+            await conn.send(data, 7, timeout_s=5.0)
+            await far.wait(arrived, timeout_s=5.0, what="chunk")
+            assert np.array_equal(into, data)
+            assert conn.outgoing_tag(7) == far.incoming_tag(7)
+
+    asyncio.run(run())
+
+
+def test_a_frame_larger_than_allowed_is_a_protocol_error() -> None:
+    async def run() -> None:
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            await conn.send_frame(b"x" * 100, timeout_s=5.0)
+            with pytest.raises(ProtocolError, match="larger than the posted buffer"):
+                await far.recv_frame(max_nbytes=16, timeout_s=5.0)
+
+    asyncio.run(run())
+
+
+def test_a_data_message_of_another_size_fails_its_receive() -> None:
+    async def run() -> None:
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            arrived = far.post_recv(np.zeros(64, dtype=np.uint8), 3)
+            await conn.send(np.ones(32, dtype=np.uint8), 3, timeout_s=5.0)
+            with pytest.raises(ProtocolError, match="32 bytes arrived, expected 64"):
+                await far.wait(arrived, timeout_s=5.0, what="chunk")
+
+    asyncio.run(run())
+
+
+def test_a_silent_peer_times_out_and_the_connection_is_aborted() -> None:
+    async def run() -> None:
+        async with connected() as (conn, _, worker):
+            with pytest.raises(PeerTimeoutError, match="no completion in 0.2s"):
+                await conn.recv_frame(max_nbytes=MAX_FRAME, timeout_s=0.2)
+            assert conn.closed  # its receive may still land later: never reused
+            with pytest.raises(PeerClosedError):
+                await conn.send_frame(b"late", timeout_s=1.0)
+            # the abandoned receive was completed, not left posted for ever
+            await wait_until(lambda: worker.num_requests == 0, what="receive ended")
+
+    asyncio.run(run())
+
+
+def test_a_peer_that_aborted_goes_silent_and_local_use_after_abort_is_refused() -> None:
+    async def run() -> None:
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            far.abort()
+            far.abort()  # idempotent
+            with pytest.raises(PeerClosedError, match="closed connection"):
+                far.post_frame(b"after abort")
+            # UCX peer error handling is off: only our deadline notices the peer left
+            with pytest.raises(PeerTimeoutError):
+                await conn.recv_frame(max_nbytes=MAX_FRAME, timeout_s=0.3)
+            await conn.close(b"bye")  # idempotent after the abort its timeout did
+            assert conn.closed
+
+    asyncio.run(run())
+
+
+def test_a_connection_counts_and_releases_its_id() -> None:
+    async def run() -> None:
+        async with connected() as (conn, accepted, worker):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            assert worker.num_connections == 1
+            conn.abort()
+            assert worker.num_connections == 0
+            far.abort()
+
+    asyncio.run(run())
+
+
+def test_connecting_where_nobody_listens_fails_typed_within_the_deadline() -> None:
+    with socket.socket() as sock:  # a port that was free a moment ago
+        sock.bind((HOST, 0))
+        port = sock.getsockname()[1]
+
+    async def run() -> None:
+        worker = UcxWorker()
+        try:
+            with pytest.raises((PeerTimeoutError, PeerUnreachableError)):
+                await asyncio.wait_for(worker.connect(HOST, port, timeout_s=0.5), 5.0)
+            await wait_until(lambda: worker.num_connections == 0, what="id released")
+        finally:
+            await worker.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("error", "kind", "text"), [
+    (ucx_exc.UCXCanceledError("request canceled"), PeerClosedError, "canceled"),
+    (ucx_exc.UCXMessageTruncatedError("too long"), ProtocolError, "larger than the posted"),
+    (ucx_exc.UCXConnectionResetError("reset"), PeerClosedError, "reset"),
+    (ucx_exc.UCXUnreachableError("no route"), PeerUnreachableError, "no route"),
+    (ucx_exc.UCXTimedOutError("slow"), PeerTimeoutError, "slow"),
+    (ucx_exc.UCXError("other"), TransferError, "UCXXError: other"),
+])
+def test_ucxx_exceptions_map_by_type(error: Exception, kind: type[TransferError],
+                                     text: str) -> None:
+    mapped = _map_ucx_error(error, "recv from peer")
+    assert type(mapped) is kind
+    assert "recv from peer" in str(mapped) and text in str(mapped)
+
+
+def test_an_exception_is_not_mapped_by_its_name() -> None:
+    class CancelledTruncatedLookalike(Exception):
+        """Not a ucxx exception, whatever its name says."""
+
+    mapped = _map_ucx_error(CancelledTruncatedLookalike("?"), "send")
+    assert type(mapped) is TransferError
