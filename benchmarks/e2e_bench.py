@@ -48,7 +48,7 @@ from kvbridge.cli.demo.procs import reserve_ports
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import SamplingParams
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 Progress = Callable[[str, int, int], None]
 """``progress(what just finished, steps done, total steps)``."""

@@ -27,7 +27,7 @@ from kvbridge.cli.demo.procs import reserve_ports
 from kvbridge.engine.async_engine import AsyncEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import SamplingParams
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 _NUM_WARMUP = 3
 _PROMPT_TOKENS = 64

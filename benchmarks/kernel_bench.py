@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvbridge.kernels import pack, unpack, wire_format
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 NHD, HND = KVLayout.NHD, KVLayout.HND
 

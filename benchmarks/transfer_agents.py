@@ -54,12 +54,11 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
            local_copy: bool = True) -> tuple[Any, list[Any]]:
     import torch
 
-    from kvbridge.layout import KVLayout
     from kvbridge.paged.host_memory import kv_cache_zeros
-    from kvbridge.topology import EngineTopology
+    from kvbridge.topology import EngineTopology, KVLayout
     from kvbridge.transfer.agent import TransferAgent
-    from kvbridge.transfer.config import AgentConfig
-    from kvbridge.transfer.security import CompatInfo
+    from kvbridge.transfer.agent_config import AgentConfig
+    from kvbridge.transfer.protocol.security import CompatInfo
 
     topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)
     compat = CompatInfo("bench", "bfloat16", NUM_KV_HEADS, HEAD_DIM, num_layers, KVLayout.NHD,
@@ -157,7 +156,7 @@ class AgentPair:
         num_pool_blocks: Blocks of each cache (requests pick scattered ids in it).
         timeout_s: Deadline of every reply from a child.
         local_copy: let the reader copy out of the server's process (both are on
-            this host: ``kvbridge.transfer.local_copy``); False reads through UCX.
+            this host: ``kvbridge.transfer.reading.same_host``); False reads through UCX.
         name: the name of the results.
 
     Raises:

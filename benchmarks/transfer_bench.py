@@ -25,7 +25,7 @@ agent (fills its cache with a pattern, issues a grant per request) and a
 reading agent, timed from ``start_read`` to the read showing up in
 ``get_finished`` (grant, handshake reuse, chunked read, unpack, done report).
 Both are on this host, so by default the reader copies the blocks out of the
-server's process itself (``kvbridge.transfer.local_copy``); the pseudo-peer
+server's process itself (``kvbridge.transfer.reading.same_host``); the pseudo-peer
 ``kvbridge_ucx`` runs the same with that off: every byte through UCX, as
 between two hosts.
 Block ids are scattered over a pool twice the largest request. After the timed

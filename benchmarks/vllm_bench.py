@@ -131,10 +131,28 @@ def model_shape(model: Path) -> dict[str, Any]:
             "kv_bytes_per_token": 2 * num_layers * num_kv_heads * head_dim * 2}
 
 
-def prompt_ids(length: int, key: str, vocab_size: int) -> list[int]:
-    """Seeded random token ids without 0 and 1 (BOS, EOS of the tiny model's tokenizer)."""
+def text_token_ids(model: Path, vocab_size: int) -> list[int]:
+    """Token ids whose text is printable ASCII: prompts of them are valid text.
+
+    Random ids of a byte-level vocabulary make prompts of broken UTF-8, whose
+    replacement characters vLLM's detokenizer then mixes into the answer's
+    first text; a proxy cannot tell that text whole (``first_token.take``) and
+    falls back to the classic flow. Real prompts are text.
+    """
+    from tokenizers import Tokenizer  # vLLM's dependency; only this benchmark needs it
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    ids = [i for i in range(2, vocab_size)
+           if (text := tokenizer.decode([i])) and text.isascii() and text.isprintable()]
+    if len(ids) < 16:
+        raise ValueError(f"{model}: only {len(ids)} printable ASCII tokens")
+    return ids
+
+
+def prompt_ids(length: int, key: str, vocab: list[int]) -> list[int]:
+    """Seeded random token ids drawn from ``vocab`` (``text_token_ids``)."""
     rng = random.Random(f"{length}/{key}")
-    return rng.choices(range(2, vocab_size), k=length)
+    return rng.choices(vocab, k=length)
 
 
 def _body(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -204,10 +222,14 @@ def pd_first_token_request(client: httpx.Client, servers: list[VllmServer],
         raise BenchError(f"{resp.status_code} from P: {resp.text[:2000]}")
     answer = resp.json()
     first, params = first_token.take(answer), answer.get("kv_transfer_params")
-    if first is None or not params:
-        raise BenchError(f"P's answer lacks token ids or kv_transfer_params: {resp.text[:2000]}")
+    if not params:
+        raise BenchError(f"P's answer has no kv_transfer_params: {resp.text[:2000]}")
+    if first is None:  # as the proxy: the classic flow for this request
+        t2 = first_token_s(client, decode.url, _body(prompt, D_MAX_TOKENS,
+                                                      kv_transfer_params=params))
+        return {"ttft_s": t2 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1, "classic": 1.0}
     t2 = first_token_s(client, decode.url, first_token.decode_body(body, first, params))
-    return {"ttft_s": t1 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    return {"ttft_s": t1 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1, "classic": 0.0}
 
 
 def _mean_ms(before: list[Sample], after: list[Sample],
@@ -222,6 +244,8 @@ def _row(name: str, length: int, times: list[dict[str, float]], servers: list[Vl
          before: list[list[Sample]], after: list[list[Sample]]) -> dict[str, Any]:
     """Medians of the client's times plus what the servers' metrics moved by."""
     row: dict[str, Any] = {"prompt_tokens": length, "num_requests": len(times)}
+    if "classic" in times[0]:  # first-token flow: requests that fell back to the classic one
+        row["num_classic"] = int(sum(t.pop("classic") for t in times))
     for key in times[0]:
         values = [1e3 * t[key] for t in times]
         row[key.removesuffix("_s") + "_ms"] = statistics.median(values)
@@ -282,7 +306,7 @@ def run_config(name: str, model: Path, plan: dict[str, Any], log_dir: Path,
     servers = _servers(name, model, log_dir, plan["kvbridge_extra"], plan["cores"] == "split")
     request = {"colocated": colocated_request,
                "kvbridge": pd_first_token_request}.get(name, pd_request)
-    vocab = plan["vocab_size"]
+    vocab = plan["prompt_vocab"]
     result: dict[str, Any] = {"rows": [], "idle_cpu": {},
                               "logs": [str(s.log_path) for s in servers]}
     try:
@@ -353,8 +377,9 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
     with tempfile.TemporaryDirectory(prefix="kvb-bench-model-") as tmp:
         model_dir = Path(model) if model else build_model(Path(tmp) / "model")
         shape = model_shape(model_dir)
-        plan["vocab_size"] = shape["vocab_size"]
-        settings = {**plan, "model": str(model) if model else
+        plan["prompt_vocab"] = text_token_ids(model_dir, shape["vocab_size"])
+        settings = {**{k: v for k, v in plan.items() if k != "prompt_vocab"},
+                    "num_prompt_vocab": len(plan["prompt_vocab"]), "model": str(model) if model else
                     f"random Llama, hidden {BENCH_MODEL['hidden']}, {BENCH_MODEL['layers']} "
                     f"layers (built)", "shape": shape, "d_max_tokens": D_MAX_TOKENS,
                     "connectors": connectors}

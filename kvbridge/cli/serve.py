@@ -32,7 +32,7 @@ from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbridge.engine.engine_config import EngineConfig
-    from kvbridge.transfer.config import AgentConfig
+    from kvbridge.transfer.agent_config import AgentConfig
 
 __all__ = [
     "add_serve_parser",
@@ -136,7 +136,7 @@ def parse_agent_options(items: Sequence[str]) -> AgentConfig:
         ConfigError: not ``NAME=VALUE``, an unknown field, or a value the field
             rejects (the message names the option, the field and the value).
     """
-    from kvbridge.transfer.config import AgentConfig
+    from kvbridge.transfer.agent_config import AgentConfig
 
     names = AgentConfig.__struct_fields__
     values: dict[str, str] = {}
@@ -164,7 +164,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         OSError: the secret file cannot be read.
     """
     from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig, EngineRole
-    from kvbridge.layout import KVLayout
+    from kvbridge.topology import KVLayout
 
     connector = None
     if args.transfer_port is not None:

@@ -55,7 +55,7 @@ class TransferStats(KVConnectorStats):
         durations_s: Duration of each completed transfer, in seconds.
         num_failures: Transfers that failed.
         num_local_copies: Completed transfers the reader copied out of a server
-            process on its own host (``kvbridge.transfer.local_copy``).
+            process on its own host (``kvbridge.transfer.reading.same_host``).
     """
 
     num_transfers: int = 0

@@ -32,10 +32,9 @@ from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.kernels import copy_blocks
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology, describe_cache
+from kvbridge.topology import EngineTopology, KVLayout, describe_cache
 from kvbridge.transfer.agent import AgentConfig, TransferAgent
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.transfer.protocol.security import CompatInfo
 
 __all__ = ["ConnectorWorker", "WorkerHandshake"]
 

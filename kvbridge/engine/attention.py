@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 
 def kv_cache_shape(

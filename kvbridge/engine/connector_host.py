@@ -23,8 +23,8 @@ from kvbridge.connector.worker import ConnectorWorker, WorkerHandshake
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.rank_worker import WorkerContext
 from kvbridge.topology import EngineTopology
-from kvbridge.transfer.config import AgentConfig
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.protocol.security import CompatInfo
 
 __all__ = ["ConnectorWorkerHost", "ConnectorWorkerSpec", "build", "make_connector_worker"]
 

@@ -14,11 +14,11 @@ from enum import StrEnum
 from kvbridge.engine.model_config import ModelConfig, get_model_config
 from kvbridge.engine.runner import kv_block_nbytes
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
 from kvbridge.paged.kv_cache_config import KVCacheConfig
 from kvbridge.paged.sizing import RequestLimits, get_kv_cache_config
 from kvbridge.paged.spec import FullAttentionSpec, KVCacheSpec
-from kvbridge.transfer.config import AgentConfig
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.agent_config import AgentConfig
 
 __all__ = ["ConnectorSettings", "EngineConfig", "EngineRole", "kv_cache_config_for"]
 

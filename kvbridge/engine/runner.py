@@ -33,10 +33,9 @@ from kvbridge.engine.parallel import TensorParallel
 from kvbridge.engine.sampling import SamplerParams, sample
 from kvbridge.engine.weights import init_weights, load_safetensors_dir
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.layout import KVLayout
 from kvbridge.paged.block_table import BlockTable, GroupTableSpec
 from kvbridge.paged.host_memory import kv_cache_zeros
-from kvbridge.topology import heads_for_tp_rank
+from kvbridge.topology import KVLayout, heads_for_tp_rank
 
 
 class InvalidStepError(KVBridgeError, ValueError):

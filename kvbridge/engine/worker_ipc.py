@@ -32,7 +32,7 @@ import msgspec
 from kvbridge.engine.model_config import ModelConfig
 from kvbridge.engine.runner import StepBatch, StepLimits
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = [
     "CallExtension",

@@ -24,7 +24,7 @@ Example (sender has block size 16 in HND, receiver block size 32 in NHD and
 twice the heads, so this sender's 4 heads land at head offset 4)::
 
     from kvbridge.kernels import WireFormat, copy_blocks, pack, unpack, wire_format
-    from kvbridge.layout import KVLayout
+    from kvbridge.topology import KVLayout
 
     # sender: caches = [layer0, layer1, ...], each [2, nb, 4, 16, 128] (HND)
     wire = wire_format(p_caches, KVLayout.HND, head_start=0, head_end=4)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbridge.kernels.wire import KernelInputError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = [
     "CacheSet",

@@ -21,7 +21,7 @@ from kvbridge.kernels.caches import (
 )
 from kvbridge.kernels.checks import BlockIds, Impl
 from kvbridge.kernels.wire import KernelInputError, WireFormat
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = ["Impl", "copy_blocks", "pack", "unpack", "wire_format"]
 

@@ -30,7 +30,7 @@ import torch
 
 from kvbridge.kernels.caches import CacheSet
 from kvbridge.kernels.wire import WireFormat
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = ["copy_blocks", "pack", "unpack"]
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kvbridge.kernels.caches import CacheSet
 from kvbridge.kernels.wire import WireFormat
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = ["copy_blocks", "pack", "unpack"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 __all__ = ["KernelInputError", "WireFormat"]
 

@@ -17,12 +17,14 @@ Modules:
 - :mod:`.targets`: remote workers to contact, reader counts;
 - :mod:`.read_plan`: the per-rank read plan and its byte ranges;
 - :mod:`.tp_topology`: the per-worker object tying these together;
-- :mod:`.layout_facts`: cache tensor facts from shapes and strides.
+- :mod:`.layout_facts`: cache tensor facts from shapes and strides;
+- :mod:`.layout`: :class:`KVLayout`, the order of tokens and heads in a block
+  (shared with kernels and transfer).
 
 Example: D has TP 2, P has TP 4, 8 KV heads, HND on both sides::
 
-    >>> from kvbridge.layout import KVLayout
-    >>> from kvbridge.topology import EngineTopology, TpKVTopology, num_expected_readers
+    >>> from kvbridge.topology import (
+    ...     EngineTopology, KVLayout, TpKVTopology, num_expected_readers)
     >>> d = EngineTopology(tp_size=2, pp_size=1, block_size=16, num_kv_heads=8,
     ...                    is_mla=False, layout=KVLayout.HND, num_layers=4)
     >>> p = EngineTopology(tp_size=4, pp_size=1, block_size=16, num_kv_heads=8,
@@ -47,6 +49,7 @@ from kvbridge.topology.engine_topology import (
     heads_for_tp_rank,
     layers_for_pp_rank,
 )
+from kvbridge.topology.layout import KVLayout
 from kvbridge.topology.layout_facts import CacheLayoutFacts, describe_cache
 from kvbridge.topology.ratios import (
     BlockSizeRatio,
@@ -64,6 +67,7 @@ __all__ = [
     "CacheLayoutFacts",
     "EngineTopology",
     "IncompatibleTopologyError",
+    "KVLayout",
     "ReadPlan",
     "RemoteRank",
     "RemoteRead",

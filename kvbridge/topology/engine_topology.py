@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology.layout import KVLayout
 
 
 def _require_positive(name: str, value: int) -> None:

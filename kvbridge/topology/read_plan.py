@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
 from kvbridge.topology.engine_topology import EngineTopology
+from kvbridge.topology.layout import KVLayout
 from kvbridge.topology.ratios import (
     BlockSizeRatio,
     block_size_ratio,

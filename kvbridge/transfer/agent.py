@@ -31,6 +31,13 @@ serving rank then fixes it from the first reader's handshake, which carries the
 reader engine's topology. A reader that needs nothing (its own prefix cache
 already holds the tokens, or its request was aborted) still tells every serving
 rank it would have read from, with ``notify_done``, so P frees at once.
+
+The work is done by the agent's two halves, ``serving/`` (sessions, grants,
+sending) and ``reading/`` (links, read strategies), over ``ucx/`` and
+``protocol/``. Why this module runs past ~400 lines: it is the package's one
+public class, and its methods are the API the connector calls, each thin
+(validate the arguments, hand the work to the loop) and documented in full
+where it is called.
 """
 
 from __future__ import annotations
@@ -49,21 +56,26 @@ import torch
 
 from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology
+from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.blocks.staging import BufferPool
 from kvbridge.transfer.clock import Clock, MonotonicClock
-from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.grant_board import GrantBoard
-from kvbridge.transfer.grants import Grant, GrantTable
-from kvbridge.transfer.handshake import Identity
-from kvbridge.transfer.local_copy import Copier, ProbeCell, allowed, host_memory
-from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
-from kvbridge.transfer.reader import ReaderContext
-from kvbridge.transfer.security import CompatInfo, compat_hash
-from kvbridge.transfer.server import ServerContext, grant_issued, serve_connection
-from kvbridge.transfer.staging import BufferPool
-from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+from kvbridge.transfer.local_kv import LocalKV, topology_info
+from kvbridge.transfer.protocol.grant_board import GrantBoard
+from kvbridge.transfer.protocol.handshake import Identity
+from kvbridge.transfer.protocol.host import ProbeCell, allowed, host_memory
+from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.copier import Copier
+from kvbridge.transfer.reading.jobs import ReadJob, ReadStats, checked_ports
+from kvbridge.transfer.reading.reads import Reads
+from kvbridge.transfer.reading.strategy import ReaderContext
+from kvbridge.transfer.serving.context import ServerContext, grant_issued
+from kvbridge.transfer.serving.grants import Grant, GrantTable
+from kvbridge.transfer.serving.session import serve_connection
+from kvbridge.transfer.ucx.connection import UcxConnection
+from kvbridge.transfer.ucx.worker import UcxWorker
 
-__all__ = ["AgentConfig", "AgentCounters", "TransferAgent", "TransferStats"]
+__all__ = ["AgentConfig", "AgentCounters", "ReadStats", "TransferAgent"]
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +438,7 @@ class TransferAgent:
         running = self._running
         if running is None or self._closed:
             raise ConfigError("start_read on a TransferAgent that is not running")
-        ports = _ports(request_id, port)
+        ports = checked_ports(request_id, port)
         block_size = self.topology.block_size
         end_token = first_token + num_tokens
         local_needed = math.ceil(end_token / block_size) if num_tokens > 0 else 0
@@ -479,7 +491,7 @@ class TransferAgent:
         if running is None or self._closed:
             raise ConfigError("notify_done on a TransferAgent that is not running")
         job = ReadJob(
-            request_id, engine_id, host, _ports(request_id, port), (), (), grant, 0,
+            request_id, engine_id, host, checked_ports(request_id, port), (), (), grant, 0,
             time.monotonic(), notify_only=True, ok=ok,
         )
         running.loop.call_soon_threadsafe(running.reads.submit, job)
@@ -514,7 +526,7 @@ class TransferAgent:
         running = self._running
         return running.reads.take_failed() if running is not None else {}
 
-    def get_stats(self) -> list[TransferStats]:
+    def get_stats(self) -> list[ReadStats]:
         """Return and forget per-read statistics of reads that ended."""
         running = self._running
         return running.reads.take_stats() if running is not None else []
@@ -525,21 +537,3 @@ def _on_grant_issued(running: _Running) -> None:
     grant_issued(running.server)
     running.grant_issued.set()
 
-
-def _ports(request_id: str, port: int | Sequence[int]) -> int | tuple[int, ...]:
-    """``port`` as ``ReadJob`` keeps it: the base port, or a checked per-rank tuple.
-
-    Raises:
-        ConfigError: an empty list, or an entry that is not an int in [1, 65535].
-    """
-    if isinstance(port, int):  # a base port, as every caller passed before lists
-        return port
-    ports = tuple(port)
-    bad = [p for p in ports if isinstance(p, bool) or not isinstance(p, int)
-           or not 1 <= p <= 65535]
-    if not ports or bad:
-        raise ConfigError(
-            f"read {request_id!r}: the per-rank port list must be non-empty ints in "
-            f"[1, 65535], got {len(ports)} ports, bad ones: {bad[:8]}"
-        )
-    return ports

@@ -1,6 +1,6 @@
 """Clocks for leases and deadlines, passed explicitly to whoever needs time.
 
-The grant table (``grants.py``) and the transfer agent read time only through a
+The grant table (``serving/grants.py``) and the transfer agent read time only through a
 ``Clock``, never through ``time`` directly, so tests drive leases and deadlines
 by hand instead of sleeping. Time is monotonic seconds: it never jumps when the
 wall clock is adjusted, and it means nothing outside the process that read it

@@ -1,7 +1,8 @@
 """Typed errors of the transfer layer.
 
-Raised by :mod:`kvbridge.transfer.ucx` (network waits), :mod:`kvbridge.transfer.wire`
-(decoding peer bytes) and the agent (handshake, grants). The agent turns each of
+Raised by :mod:`kvbridge.transfer.ucx` (network waits),
+:mod:`kvbridge.transfer.protocol.wire` (decoding peer bytes) and the agent's
+two halves (handshake, grants, reads). The agent turns each of
 them into failed block ids for the request concerned; none of them is fatal to the
 agent, which keeps serving other peers.
 

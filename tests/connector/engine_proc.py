@@ -9,11 +9,11 @@ hanging it.
 from __future__ import annotations
 
 import contextlib
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from tests.child_host import ChildHost, serve_commands
+from tests.waiting import wait_until
 
 CALL_TIMEOUT_S = 60.0
 
@@ -41,7 +41,7 @@ def _child(conn: Connection) -> None:
             elif cmd == "abort":
                 engine.abort(args)
             elif cmd == "resume":
-                engine.requests[args].paused = False
+                engine.resume(args)
             elif cmd == "freeze":
                 loop.frozen = bool(args)
             elif cmd == "freeze_on_handout":
@@ -102,27 +102,24 @@ class EngineRef:
 
     def wait_status(self, request_id: str, statuses: set[str],
                     timeout_s: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = self.status(request_id)
-            if status["status"] in statuses:
-                return status
-            time.sleep(0.01)
-        raise AssertionError(f"{self.name}: {request_id} still {status} after {timeout_s}s "
-                             f"(errors {self.call('errors')})")
+        """The request's status once its state is one of ``statuses``."""
+        return wait_until(lambda: self.status(request_id), timeout_s, interval_s=0.01,
+                          until=lambda status: status["status"] in statuses,
+                          message=f"{self.name}: {request_id} to be {'/'.join(sorted(statuses))}",
+                          describe=lambda status: f"{status} (errors {self.call('errors')})")
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Wait until nothing runs and every block is back in the free pool."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.call("idle"):
-                free, usable = self.call("free_blocks")
-                if free == usable:
-                    return
-            time.sleep(0.02)
-        raise AssertionError(f"{self.name} not idle after {timeout_s}s: free blocks "
-                             f"{self.call('free_blocks')}, stats {self.call('stats')}, "
-                             f"errors {self.call('errors')}")
+
+        def idle() -> bool:
+            if not self.call("idle"):
+                return False
+            free, usable = self.call("free_blocks")
+            return bool(free == usable)
+
+        wait_until(idle, timeout_s, message=f"{self.name} to be idle with every block free",
+                   describe=lambda _: f"free blocks {self.call('free_blocks')}, stats "
+                                      f"{self.call('stats')}, errors {self.call('errors')}")
 
     def close(self) -> None:
         with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):

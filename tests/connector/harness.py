@@ -2,13 +2,16 @@
 
 ``MiniEngine`` is what the reference engine does with the connector, minus the
 model: a real ``KVCacheManager`` (prefix caching on), a ``ConnectorScheduler``,
+the engine scheduler's own tracker of remote KV (``RemoteKVTracker``,
+``kvbridge/engine/remote_kv.py``: loads, rollbacks, blocks held for readers),
 one ``ConnectorWorker`` per TP rank (each with its own transfer agent and cache
-tensors) and a ``KVOutputAggregator``. "Computing" a token writes its KV, a
+tensors) and a ``KVOutputAggregator``. What is left here is the model's part and
+a trivial batch (every request every step). "Computing" a token writes its KV, a
 deterministic function of the token prefix (like a real model's KV), into every
 rank's head slice, so any engine can say what a request's cache must hold, and
 a recomputed token gets the same bytes as a loaded one.
 
-Request lifecycle::
+Requests are the engine's ``EngineRequest``; ``status`` names their state::
 
     waiting -> (remote load) loading -> ready -> running -> finished
             -> (local prefill)                   running -> finished
@@ -19,24 +22,25 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvbridge.connector.aggregator import KVOutputAggregator
-from kvbridge.connector.params import KVTransferParams, parse_kv_transfer_params
+from kvbridge.connector.params import parse_kv_transfer_params
 from kvbridge.connector.scheduler import ConnectorScheduler, LoadFailurePolicy, Role
 from kvbridge.connector.worker import ConnectorWorker
-from kvbridge.layout import KVLayout
+from kvbridge.engine.remote_kv import RemoteKVTracker
+from kvbridge.engine.request import EngineRequest, FinishReason, RequestStatus, SamplingParams
 from kvbridge.paged.hashing import BlockHasher
 from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.request import Request
 from kvbridge.paged.spec import FullAttentionSpec
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.agent import AgentConfig
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.transfer.protocol.security import CompatInfo
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 4
@@ -84,25 +88,27 @@ def expected_kv(tokens: list[int], start: int, end: int) -> torch.Tensor:
     return torch.stack([token_kv(tokens, t) for t in range(start, end)], dim=2)
 
 
-class EngineRequest(Request):
-    """A paged ``Request`` plus what the connector and the loop need."""
+_STATUS_NAMES = {
+    RequestStatus.WAITING_FOR_REMOTE_KVS: "loading",
+    RequestStatus.RUNNING: "running",
+    RequestStatus.FINISHED_LENGTH: "finished",
+    RequestStatus.FINISHED_STOPPED: "finished",
+    RequestStatus.FINISHED_ABORTED: "aborted",
+    RequestStatus.FINISHED_ERROR: "failed",
+}
 
-    __slots__ = ("kv_transfer_params", "max_tokens", "status", "num_local", "num_external",
-                 "num_computed_here", "ready_ok", "final_ok", "output_params", "paused")
 
-    def __init__(self, request_id: str, prompt: list[int], hasher: BlockHasher,
-                 params: KVTransferParams | None, max_tokens: int, paused: bool) -> None:
-        super().__init__(request_id, prompt, hasher)
-        self.kv_transfer_params = params
-        self.max_tokens = max_tokens
-        self.status = "waiting"
-        self.num_local = 0
-        self.num_external = 0
-        self.num_computed_here = 0  # tokens whose KV this engine computed itself
-        self.ready_ok: bool | None = None  # loaded KV complete when the wait ended?
-        self.final_ok: bool | None = None  # whole KV right when the request finished?
-        self.output_params: dict[str, Any] | None = None
-        self.paused = paused
+@dataclass
+class Progress:
+    """What the tests ask about a request beyond the engine's own state."""
+
+    paused: bool
+    num_local: int = 0  # D's local prefix hit when the request was admitted
+    num_external: int = 0  # tokens planned to load from a remote prefill
+    num_computed_here: int = 0  # tokens whose KV this engine computed itself
+    ready_ok: bool | None = None  # loaded KV complete when the wait ended?
+    final_ok: bool | None = None  # whole KV right when the request finished?
+    output_params: dict[str, Any] | None = None
 
 
 class MiniEngine:
@@ -121,6 +127,7 @@ class MiniEngine:
             spec.engine_id, spec.role, topo, "127.0.0.1", spec.base_port or 1, spec.block_size,
             lease_s=spec.lease_s, load_failure_policy=spec.policy,
         )
+        self.tracker = RemoteKVTracker(self.manager, self.connector)
         self.heads_per_rank = topo.num_heads_per_rank
         compat = CompatInfo("mini", str(DTYPE), NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS,
                             topo.layout, spec.block_size, False)
@@ -137,8 +144,8 @@ class MiniEngine:
             self.workers.append(worker)
             self.caches.append(caches)
         self.aggregator = KVOutputAggregator(spec.tp_size)
-        self.requests: dict[str, EngineRequest] = {}
-        self.delayed: set[str] = set()  # finished, blocks kept for the connector
+        self.requests: dict[str, EngineRequest] = {}  # finished ones too, for ``status``
+        self.progress: dict[str, Progress] = {}
         self.lock = threading.Lock()
         self.errors: list[str] = []
         # freeze the loop after a step that handed params out (before they are acted on)
@@ -154,29 +161,43 @@ class MiniEngine:
     # ---------------------------------------------------------------- commands
     def add(self, request_id: str, prompt: list[int], params: object = None,
             max_tokens: int = 1, paused: bool = False) -> None:
-        req = EngineRequest(request_id, prompt, self.hasher, parse_kv_transfer_params(params),
-                            max_tokens, paused)
-        self.requests[request_id] = req
+        self.requests[request_id] = EngineRequest(
+            request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            self.hasher, time.monotonic(), parse_kv_transfer_params(params))
+        self.progress[request_id] = Progress(paused)
+
+    def resume(self, request_id: str) -> None:
+        self.progress[request_id].paused = False
 
     def abort(self, request_id: str) -> None:
+        """As the engine's scheduler aborts: a loading request leaves the tracker first."""
         req = self.requests[request_id]
-        if req.status not in ("finished", "aborted"):
-            self._finish(req, aborted=True)
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.tracker.forget_loading(req)
+        req.finish(FinishReason.ABORT)
+        self._release(req)
 
     def busy(self) -> bool:
-        active = any(r.status not in ("finished", "aborted") and not r.paused
+        active = any(not r.is_finished and not self.progress[r.request_id].paused
                      for r in self.requests.values())
-        return active or bool(self.delayed) or self.connector.has_pending_work()
+        return active or self.tracker.num_held_blocks() > 0 or self.tracker.has_pending_work()
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
         for req in list(self.requests.values()):
-            if req.paused:
+            if self.progress[req.request_id].paused:
                 continue
-            if req.status == "waiting":
-                self._schedule_new(req)
-            elif req.status in ("ready", "running"):
-                self._run(req)
+            if req.status is RequestStatus.WAITING:
+                if self.tracker.is_loaded(req):
+                    self._start_loaded(req)
+                else:
+                    self._schedule_new(req)
+            elif req.status is RequestStatus.RUNNING:  # decoding: a slot for the new token
+                num_new = req.num_tokens - req.num_computed_tokens
+                if self.manager.allocate_slots(req, num_new) is not None:
+                    self._run(req)
         meta = self.connector.build_connector_meta()
         for worker in self.workers:
             worker.start_load_kv(meta)
@@ -184,73 +205,67 @@ class MiniEngine:
             worker.wait_for_save()
         out = self.aggregator.aggregate([w.get_output() for w in self.workers])
         assert out is not None
-        self.connector.update_connector_output(out)
-        invalid = self.connector.take_invalid_block_ids()
-        for request_id in self.connector.take_finished_recving():
-            self._load_done(self.requests[request_id], invalid)
-        for request_id in self.connector.take_finished_sending():
-            self.manager.free(request_id)
-            self.delayed.discard(request_id)
+        loaded: deque[EngineRequest] = deque()  # the tracker puts requests whose load ended
+        failed = self.tracker.update(out, loaded)
+        for req in loaded:
+            self._check_loaded(req)
+        for req, message in failed:  # load_failure_policy "fail"
+            self.errors.append(message)
+            req.finish(FinishReason.ERROR, message)
+            self._release(req)
 
     def _schedule_new(self, req: EngineRequest) -> None:
+        """Admit ``req`` as the engine's scheduler does: a remote load, or a local prefill."""
+        progress = self.progress[req.request_id]
         hits, num_local = self.manager.get_computed_blocks(req)
-        num_ext, is_async = self.connector.get_num_new_matched_tokens(req, num_local)
-        if is_async:
-            new = self.manager.allocate_slots(req, 0, num_local, hits,
-                                              num_external_computed_tokens=num_ext,
-                                              delay_cache_blocks=True)
-            if new is None:
-                return
-            self.connector.update_state_after_alloc(req, self.manager.get_blocks(req.request_id),
-                                                    num_ext)
-            req.num_local, req.num_external, req.status = num_local, num_ext, "loading"
+        num_ext, load_async = self.tracker.num_matched_tokens(req, num_local)
+        if load_async:
+            if self.tracker.start_loading(req, hits, num_local, num_ext):
+                progress.num_local, progress.num_external = num_local, num_ext
             return
-        new = self.manager.allocate_slots(req, req.num_tokens - num_local, num_local, hits)
-        if new is None:
+        if self.manager.allocate_slots(req, req.num_tokens - num_local - num_ext, num_local,
+                                       hits, num_external_computed_tokens=num_ext) is None:
             return
-        req.num_local, req.num_computed_tokens = num_local, num_local
-        req.status = "running"
+        req.num_cached_tokens = num_local
+        req.num_computed_tokens = num_local + num_ext
+        self.tracker.after_alloc(req, num_ext)
+        progress.num_local, progress.num_external = num_local, num_ext
+        req.status = RequestStatus.RUNNING
         self._run(req)
 
-    def _load_done(self, req: EngineRequest, invalid: set[int]) -> None:
-        assert req.status == "loading", (req.request_id, req.status)
-        first_bad = self.connector.handle_load_failure(req, invalid)
-        loaded_end = req.num_local + req.num_external
-        req.num_computed_tokens = loaded_end if first_bad is None else first_bad
-        # a request must never run on half-loaded KV: check what it will run on
-        got = self.logical(req.request_id, 0, req.num_computed_tokens)
-        req.ready_ok = torch.equal(got, expected_kv(list(req.all_token_ids), 0,
-                                                    req.num_computed_tokens))
-        self.manager.cache_blocks(req, req.num_computed_tokens)
-        req.status = "ready"
+    def _check_loaded(self, req: EngineRequest) -> None:
+        """A load ended: the KV the request will run on must be the prompt's."""
+        end = req.num_computed_tokens  # after any rollback to the first bad block
+        got = self.logical(req.request_id, 0, end)
+        self.progress[req.request_id].ready_ok = torch.equal(
+            got, expected_kv(list(req.all_token_ids), 0, end))
+
+    def _start_loaded(self, req: EngineRequest) -> None:
+        if self.manager.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is None:
+            return
+        self.tracker.forget_loaded(req)
+        req.status = RequestStatus.RUNNING
+        self._run(req)
 
     def _run(self, req: EngineRequest) -> None:
-        """Compute every uncomputed token, sample one token, maybe finish."""
-        num_new = req.num_tokens - req.num_computed_tokens
-        needs_slots = req.status == "ready" or req.num_output_tokens > 0
-        if needs_slots and self.manager.allocate_slots(req, num_new) is None:
-            return
+        """Compute every uncomputed token (slots allocated), sample one token, maybe finish."""
         self._compute(req, req.num_computed_tokens, req.num_tokens)
         req.num_computed_tokens = req.num_tokens
-        req.status = "running"
         req.append_output_token_ids(OUTPUT_TOKEN)
-        if req.num_output_tokens >= req.max_tokens:
-            self._finish(req, aborted=False)
-
-    def _finish(self, req: EngineRequest, *, aborted: bool) -> None:
-        if not aborted:  # the last sampled token has no KV yet
-            end = req.num_tokens - 1
+        if req.num_output_tokens >= req.sampling_params.max_tokens:
+            end = req.num_tokens - 1  # the last sampled token has no KV yet
             got = self.logical(req.request_id, 0, end)
-            req.final_ok = torch.equal(got, expected_kv(list(req.all_token_ids), 0, end))
-        block_ids = self.manager.get_block_ids(req.request_id)[0]
-        delay, params = self.connector.request_finished(req, block_ids, aborted=aborted)
-        req.status = "aborted" if aborted else "finished"
-        req.output_params = params.to_json_dict() if params is not None else None
+            self.progress[req.request_id].final_ok = torch.equal(
+                got, expected_kv(list(req.all_token_ids), 0, end))
+            req.finish(FinishReason.LENGTH)
+            self._release(req)
+
+    def _release(self, req: EngineRequest) -> None:
+        """The tracker frees the blocks or holds them for the connector."""
+        params = self.tracker.release(req)
+        self.progress[req.request_id].output_params = (
+            params.to_json_dict() if params is not None else None)
         self.handed_out |= params is not None
-        if delay:
-            self.delayed.add(req.request_id)
-        else:
-            self.manager.free(req)
 
     def _compute(self, req: EngineRequest, start: int, end: int) -> None:
         tokens = list(req.all_token_ids)
@@ -266,7 +281,7 @@ class MiniEngine:
                         cache[:, block, slot] = heads[layer]
                     else:
                         cache[:, block, :, slot] = heads[layer]
-        req.num_computed_here += end - start
+        self.progress[req.request_id].num_computed_here += end - start
 
     # ---------------------------------------------------------------- queries
     def logical(self, request_id: str, start: int, end: int) -> torch.Tensor:
@@ -290,13 +305,20 @@ class MiniEngine:
         return torch.cat(per_rank, dim=3)
 
     def status(self, request_id: str) -> dict[str, Any]:
-        req = self.requests[request_id]
+        req, progress = self.requests[request_id], self.progress[request_id]
         return {
-            "status": req.status, "num_local": req.num_local, "num_external": req.num_external,
-            "num_computed_here": req.num_computed_here, "ready_ok": req.ready_ok,
-            "final_ok": req.final_ok,
-            "params": req.output_params, "delayed": request_id in self.delayed,
+            "status": self._status_name(req), "num_local": progress.num_local,
+            "num_external": progress.num_external,
+            "num_computed_here": progress.num_computed_here, "ready_ok": progress.ready_ok,
+            "final_ok": progress.final_ok, "params": progress.output_params,
+            "delayed": self.tracker.is_held(request_id),
         }
+
+    def _status_name(self, req: EngineRequest) -> str:
+        """waiting, loading, ready (loaded, waiting to run), running, finished, aborted, failed."""
+        if req.status is RequestStatus.WAITING:
+            return "ready" if self.tracker.is_loaded(req) else "waiting"
+        return _STATUS_NAMES[req.status]
 
     def free_blocks(self) -> tuple[int, int]:
         self.manager.check_integrity()

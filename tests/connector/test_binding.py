@@ -8,7 +8,6 @@ blocks are reported invalid, a read with the same digest lands the KV.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,11 +20,18 @@ from kvbridge.connector.binding import KV_DIGEST_NBYTES, kv_digest
 from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest, SendRequest
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.worker import ConnectorWorker
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.agent import AgentConfig
-from kvbridge.transfer.security import CompatInfo
-from tests.connector.test_scheduler import TOKENS, admit, manager, remote, request, scheduler
+from kvbridge.transfer.protocol.security import CompatInfo
+from tests.connector.helpers import (
+    TOKENS,
+    admit,
+    manager,
+    remote,
+    request,
+    scheduler,
+    wait_finished,
+)
 
 # ---------------------------------------------------------------- the digest
 
@@ -158,19 +164,6 @@ def pair() -> Iterator[Pair]:
     finally:
         p.shutdown()
         d.shutdown()
-
-
-def wait_finished(worker: ConnectorWorker, request_id: str, *, recving: bool) -> set[int]:
-    """Poll ``worker`` until it reports ``request_id`` done; returns the invalid block ids."""
-    invalid: set[int] = set()
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline:
-        out = worker.get_output()
-        invalid |= out.invalid_block_ids
-        if request_id in ((out.finished_recving if recving else out.finished_sending) or ()):
-            return invalid
-        time.sleep(0.01)
-    raise AssertionError(f"{request_id!r} never finished {'recving' if recving else 'sending'}")
 
 
 @pytest.mark.parametrize("honest", [True, False])

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.held_grants import HeldGrants
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
 
 NOW = 1_800_000_000.0
 BS = 16

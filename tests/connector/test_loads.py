@@ -15,8 +15,7 @@ from kvbridge.connector.held_grants import HeldGrants
 from kvbridge.connector.loads import RemoteLoads
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
 
 NOW = 1_800_000_000.0
 BS = 16

@@ -8,22 +8,20 @@ report or notice, not from the lease running out.
 from __future__ import annotations
 
 import secrets
-import time
 
 import pytest
 
 from tests.connector.engine_proc import EngineHost, EngineRef
 from tests.connector.harness import EngineSpec
 from tests.connector.pd import decode, engine, finish, prefill, prompt
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 
 def wait_stat(e: EngineRef, name: str, value: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while getattr(e.call("stats"), name) != value:
-        assert time.monotonic() < deadline, f"{e.name}: {name} never reached {value}"
-        time.sleep(0.01)
+    wait_until(lambda: getattr(e.call("stats"), name), timeout_s, interval_s=0.01,
+               until=lambda now: now == value, message=f"{e.name}: {name} to reach {value}")
 
 
 def test_abort_on_p_before_finish_frees_everything(hosts: tuple[EngineHost, EngineHost]) -> None:

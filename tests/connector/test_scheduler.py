@@ -1,7 +1,8 @@
 """ConnectorScheduler on its own: token arithmetic, metadata, request ends, failures, stats.
 
-A real ``KVCacheManager`` allocates the blocks; worker outputs are written by
-hand (the multi-process tests run real workers).
+A real ``KVCacheManager`` allocates the blocks and requests are admitted as the
+engine admits them (``RemoteKVTracker``, through ``helpers.admit``); worker
+outputs are written by hand (the multi-process tests run real workers).
 """
 
 from __future__ import annotations
@@ -15,62 +16,19 @@ from kvbridge.connector.metadata import ConnectorMetadata
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.scheduler import ConnectorScheduler, KVLoadError
+from kvbridge.engine.request import EngineRequest
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.paged.hashing import BlockHasher
-from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.spec import FullAttentionSpec
-from kvbridge.topology import EngineTopology
-from tests.connector.harness import DTYPE, HASH_SEED, EngineRequest
-
-NOW = 1_800_000_000.0
-
-
-def topology(block_size: int = 16, tp_size: int = 2) -> EngineTopology:
-    return EngineTopology(tp_size=tp_size, pp_size=1, block_size=block_size, num_kv_heads=4,
-                          is_mla=False, layout=KVLayout.HND, num_layers=2)
-
-
-def scheduler(block_size: int = 16, **kwargs: Any) -> ConnectorScheduler:
-    kwargs.setdefault("lease_s", 30.0)
-    return ConnectorScheduler("me", kwargs.pop("role", "both"), topology(block_size),
-                              "10.0.0.2", 7000, block_size, clock=lambda: NOW, **kwargs)
-
-
-def manager(block_size: int = 16, num_blocks: int = 32) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size, 4, 8, DTYPE)
-    config = KVCacheConfig(num_blocks, (), (KVCacheGroupSpec(("l0", "l1"), spec),))
-    return KVCacheManager(config, 1024, BlockHasher("sha256", HASH_SEED, block_size))
-
-
-def remote(num_tokens: int, block_size: int = 16, **changes: Any) -> KVTransferParams:
-    fields: dict[str, Any] = {
-        "do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.1",
-        "remote_port": 5600, "remote_block_ids": list(range(100, 100 + math.ceil(
-            num_tokens / block_size))), "remote_block_size": block_size,
-        "remote_num_tokens": num_tokens, "grant": "g" * 22, "expires_at": NOW + 10,
-    }
-    fields.update(changes)
-    return KVTransferParams(**fields)
-
-
-def request(rid: str, tokens: list[int], params: KVTransferParams | None,
-            block_size: int = 16) -> EngineRequest:
-    return EngineRequest(rid, tokens, BlockHasher("sha256", HASH_SEED, block_size), params,
-                         max_tokens=1, paused=False)
-
-
-def admit(conn: ConnectorScheduler, mgr: KVCacheManager, req: EngineRequest) -> tuple[int, int]:
-    """What an engine does for a new request; returns (local hit, external tokens)."""
-    hits, num_local = mgr.get_computed_blocks(req)
-    num_ext, is_async = conn.get_num_new_matched_tokens(req, num_local)
-    assert is_async == (num_ext > 0)
-    if is_async:
-        assert mgr.allocate_slots(req, 0, num_local, hits, num_external_computed_tokens=num_ext,
-                                  delay_cache_blocks=True) is not None
-        conn.update_state_after_alloc(req, mgr.get_blocks(req.request_id), num_ext)
-    return num_local, num_ext
+from tests.connector.helpers import (
+    NOW,
+    TOKENS,
+    admit,
+    manager,
+    remote,
+    request,
+    scheduler,
+    topology,
+)
 
 
 def cache_prefix(mgr: KVCacheManager, tokens: list[int], block_size: int = 16) -> None:
@@ -78,9 +36,6 @@ def cache_prefix(mgr: KVCacheManager, tokens: list[int], block_size: int = 16) -
     warm = request("warm", tokens, None, block_size)
     assert mgr.allocate_slots(warm, len(tokens)) is not None
     mgr.free(warm)
-
-
-TOKENS = list(range(500, 600))
 
 
 @pytest.mark.parametrize(

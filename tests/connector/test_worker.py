@@ -10,9 +10,8 @@ import torch
 from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.protocol.security import CompatInfo
 
 
 def make_worker(layout: KVLayout, host_buffer: bool = False) -> ConnectorWorker:

@@ -14,7 +14,7 @@ from kvbridge.engine.attention import (
     paged_attention,
     write_kv,
 )
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 16
 SCALE = HEAD_DIM**-0.5

@@ -18,8 +18,9 @@ from kvbridge.engine.engine import InvalidRequestError, LLMEngine
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.engine.helpers import MICRO
+from tests.waiting import wait_until_async
 
 PROMPTS: list[list[int]] = [
     [256, *b"short"],
@@ -198,12 +199,10 @@ def test_async_engine_streams_and_aborts(reference: list[list[int]]) -> None:
         with pytest.raises(InvalidRequestError):
             async for _ in engine.generate_stream("bad", []):
                 pass
-        for _ in range(100):
-            stats = (await engine.get_stats()).scheduler
-            if stats.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_usable_blocks
+        stats = (await wait_until_async(engine.get_stats, 1.0,
+                                        until=lambda s: s.scheduler.num_running == 0,
+                                        message="the aborted stream to stop")).scheduler
+        assert stats.num_free_blocks == stats.num_usable_blocks
 
     engine = AsyncEngine(EngineConfig(model=MICRO, num_blocks=96, in_process=True))
     try:

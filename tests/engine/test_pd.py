@@ -13,7 +13,6 @@ with params that name a grant P never issued.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,10 +23,11 @@ from kvbridge.connector.params import KVTransferParams
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
-from kvbridge.layout import KVLayout
-from kvbridge.transfer.config import AgentConfig
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.agent_config import AgentConfig
 from tests.engine.helpers import MICRO
 from tests.ports import free_port_base
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -110,28 +110,32 @@ def handoff(p: LLMEngine, d: LLMEngine, prompts: Sequence[Sequence[int]],
         d.add_request(request_id, prompt, GREEDY, first.kv_transfer_params)
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     final: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + 60
-    while len(final) < len(ids):
-        assert time.monotonic() < deadline, f"D did not finish: {sorted(final)}"
+
+    def all_finished() -> bool:
         for out in d.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 final[out.request_id] = out
         p.step()  # P collects its readers' reports and frees
-        if d.last_step_num_tokens == 0:
-            time.sleep(0.002)
+        return len(final) == len(ids)
+
+    wait_until(all_finished, 60, interval_s=0.002, message=f"D to finish {ids}",
+               describe=lambda _: f"finished {sorted(final)}")
     outs = [final[i] for i in ids]
     return firsts, [dataclasses.replace(o, new_token_ids=tokens[o.request_id]) for o in outs]
 
 
 def settle(*engines: LLMEngine) -> None:
     """Step until no engine holds blocks for transfers; then every block is free."""
-    deadline = time.monotonic() + 30
-    while any(e.has_pending_transfers() or e.has_unfinished() for e in engines):
-        assert time.monotonic() < deadline, "transfers did not settle"
+
+    def settled() -> bool:
+        if not any(e.has_pending_transfers() or e.has_unfinished() for e in engines):
+            return True
         for engine in engines:
             engine.step()
-        time.sleep(0.002)
+        return False
+
+    wait_until(settled, 30, interval_s=0.002, message="transfers to settle")
     for engine in engines:
         stats = engine.get_stats()
         assert stats.scheduler.num_free_blocks == stats.scheduler.num_usable_blocks
@@ -204,16 +208,20 @@ def forged_params(p: LLMEngine, prompt: Sequence[int]) -> KVTransferParams:
 def run_on(d: LLMEngine, p: LLMEngine, request_id: str) -> RequestOutput:
     """Step D (and P) until ``request_id`` finishes on D; its output with all tokens."""
     tokens: list[int] = []
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, f"{request_id} did not finish"
+
+    def finished() -> RequestOutput | None:
         for out in d.step():
             if out.request_id == request_id:
-                tokens += out.new_token_ids
+                tokens.extend(out.new_token_ids)
                 if out.finished:
                     return dataclasses.replace(out, new_token_ids=tokens)
         p.step()
-        time.sleep(0.002)
+        return None
+
+    out = wait_until(finished, 60, interval_s=0.002, message=f"{request_id} to finish on D",
+                     describe=lambda _: f"{len(tokens)} tokens so far")
+    assert out is not None
+    return out
 
 
 def test_failed_load_is_recomputed(engines: dict[str, LLMEngine],
@@ -274,13 +282,16 @@ def test_ended_loads_and_releases_wake_the_engines(engines: dict[str, LLMEngine]
     assert d.wakeup.wait(20.0), "no wake-up from D's workers after the load"
     assert p.wakeup.wait(20.0), "no wake-up from P's workers after the readers' reports"
     tokens: list[int] = []
-    deadline = time.monotonic() + 60
-    while len(tokens) < MAX_TOKENS:
-        assert time.monotonic() < deadline, "D did not finish after its wake-up"
+
+    def decoded() -> bool:
         for out in d.step():
-            tokens += out.new_token_ids
-        if d.last_step_num_tokens == 0:
+            tokens.extend(out.new_token_ids)
+        if d.last_step_num_tokens == 0:  # idle: sleep until a worker wakes the engine
             d.wakeup.clear()
             d.wakeup.wait(0.05)
+        return len(tokens) >= MAX_TOKENS
+
+    wait_until(decoded, 60, interval_s=0.0, message="D to finish after its wake-up",
+               describe=lambda _: tokens)
     assert tokens == reference[PROMPTS.index(LONG)]
     settle(p, d)

@@ -12,7 +12,7 @@ from kvbridge.engine.runner import (
     kv_block_nbytes,
 )
 from kvbridge.engine.sampling import SamplerParams
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.engine.helpers import PROMPTS, TINY, generate
 
 NUM_NEW = 8

@@ -20,11 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.engine.async_engine import AsyncEngine
+from kvbridge.engine.engine import EngineStats
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import SamplingParams
 from kvbridge.engine.tokenizer import ByteTokenizer
 from kvbridge.serving.server import _TextStream, build_app
 from tests.engine.helpers import MICRO
+from tests.waiting import wait_until_async
 
 T = TypeVar("T")
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -69,13 +71,14 @@ async def reference(engine: AsyncEngine, prompt: str, max_tokens: int) -> list[i
 
 async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
     """Until no request runs and every block is free (fails after ``timeout_s``)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            stats = (await engine.get_stats()).scheduler
-            if stats.num_running + stats.num_waiting == 0 and \
-                    stats.num_free_blocks == stats.num_usable_blocks:
-                return
-            await asyncio.sleep(0.01)
+
+    def idle(stats: EngineStats) -> bool:
+        s = stats.scheduler
+        return s.num_running + s.num_waiting == 0 and s.num_free_blocks == s.num_usable_blocks
+
+    await wait_until_async(engine.get_stats, timeout_s, until=idle,
+                           message="no request running and every block free",
+                           describe=lambda stats: stats.scheduler)
 
 
 def test_completion_carries_the_engines_tokens(engine: AsyncEngine) -> None:

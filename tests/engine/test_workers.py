@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,8 +30,9 @@ from kvbridge.engine.worker_ipc import (
 )
 from kvbridge.engine.workers import WorkerGroup, _ProcessRank
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.engine.helpers import MQA, PROMPTS, TINY, generate
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +50,11 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+def wait_gone(pids: list[int], timeout_s: float) -> None:
+    """Until none of ``pids`` runs (fails the test after ``timeout_s``)."""
+    wait_until(lambda: [p for p in pids if pid_alive(p)], timeout_s, interval_s=0.1,
+               until=lambda alive: not alive, message=f"processes {pids} to exit",
+               describe=lambda alive: f"still running: {alive}")
 
 
 def single_rank_tokens(config: ModelConfig, rows: list[list[int]]) -> list[list[int]]:
@@ -90,7 +88,7 @@ def tp2() -> Iterator[WorkerGroup]:
         yield group
         pids = [i.pid for i in group.info()]
     assert group.is_closed
-    assert wait_gone(pids, timeout_s=1.0)
+    wait_gone(pids, timeout_s=1.0)
     group.shutdown()  # idempotent
 
 
@@ -192,7 +190,7 @@ def test_replicated_kv_heads_then_a_rank_dies() -> None:
         with pytest.raises(WorkerError):
             generate(group, PROMPTS[0], rows[0], 2)
         assert group.is_closed  # the survivor was stopped too
-        assert wait_gone(pids, timeout_s=1.0)
+        wait_gone(pids, timeout_s=1.0)
         with pytest.raises(WorkerError, match="shut down"):
             group.execute(StepBatch([]))
     finally:
@@ -259,7 +257,7 @@ def test_workers_exit_when_the_engine_process_dies() -> None:
         assert pid_alive(worker_pid)
         engine.send_signal(signal.SIGKILL)  # no cleanup code runs in the engine
         engine.wait(10)
-        assert wait_gone([worker_pid], timeout_s=15.0)
+        wait_gone([worker_pid], timeout_s=15.0)
     finally:
         engine.kill()
         engine.wait(10)

@@ -45,6 +45,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import SamplingParams
 from tests.integration.netns import Host, ucx_env
+from tests.waiting import WaitTimeout, wait_until
 
 _T = TypeVar("_T")
 _CLONE_NEWNET = 0x40000000
@@ -145,20 +146,15 @@ class NetnsClient:
         """Poll ``/metrics`` until ``ok(values)``.
 
         Raises:
-            AssertionError: not within ``timeout_s`` (message: ``what`` and the last values).
+            WaitTimeout: not within ``timeout_s`` (message: ``what`` and the last values).
         """
-        deadline = time.monotonic() + timeout_s
-        values: dict[str, float] = {}
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                values = self.metrics(url)
-                if ok(values):
-                    return values
-            if time.monotonic() > deadline:
-                keys = [k for k in values if "cache" in k or "requests" in k or "kv_" in k]
-                raise AssertionError(f"{what}: not within {timeout_s}s at {url}; last: "
-                                     f"{ {k: values[k] for k in keys} }")
-            time.sleep(0.05)
+        def interesting(values: dict[str, float]) -> dict[str, float]:
+            return {k: v for k, v in values.items()
+                    if "cache" in k or "requests" in k or "kv_" in k}
+
+        return wait_until(lambda: self.metrics(url), timeout_s, until=ok, interval_s=0.05,
+                          message=f"{what} at {url}", describe=interesting,
+                          retry_on=(httpx.HTTPError,))
 
     def wait_all_blocks_free(self, url: str, *, timeout_s: float) -> dict[str, float]:
         """Wait until the engine at ``url`` holds no block (free == total, nothing held)."""
@@ -300,12 +296,13 @@ class Served:
                     found.set()
 
         threading.Thread(target=pump, daemon=True, name=f"pump-{self.name}").start()
-        deadline = time.monotonic() + timeout_s
-        while not found.wait(0.1):
-            if not self.alive or time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"{self.name} not ready (exit {self.proc.returncode}):\n"
-                                     f"{self.log_tail()}")
+        with contextlib.suppress(WaitTimeout):  # the message below has the log
+            wait_until(lambda: found.is_set() or not self.alive, timeout_s, interval_s=0.1,
+                       message=f"{self.name}'s ready line")
+        if not found.is_set():
+            self.kill()
+            raise AssertionError(f"{self.name} not ready (exit {self.proc.returncode}):\n"
+                                 f"{self.log_tail()}")
         return self
 
     def child_pids(self) -> list[int]:
@@ -331,7 +328,7 @@ class Served:
         """SIGKILL the server and its workers (the process group); wait until all are gone.
 
         Raises:
-            AssertionError: a process of the group outlived SIGKILL for ``STOP_TIMEOUT_S``.
+            WaitTimeout: a process of the group outlived SIGKILL for ``STOP_TIMEOUT_S``.
         """
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -339,14 +336,15 @@ class Served:
             self.proc.wait(STOP_TIMEOUT_S)
         # Workers die asynchronously: their ports (same address on restart) are only
         # free once the whole group is gone.
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while True:
+        def group_gone() -> bool:
             try:
                 os.killpg(self.proc.pid, 0)
             except ProcessLookupError:
-                return
-            assert time.monotonic() < deadline, f"{self.name}: group {self.proc.pid} survives"
-            time.sleep(0.02)
+                return True
+            return False
+
+        wait_until(group_gone, STOP_TIMEOUT_S,
+                   message=f"{self.name}: group {self.proc.pid} to be gone after SIGKILL")
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL for the group after :data:`STOP_TIMEOUT_S`; the exit code."""

@@ -27,7 +27,6 @@ import multiprocessing as mp
 import random
 import secrets
 import struct
-import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,7 +37,6 @@ import msgspec
 import numpy as np
 import torch
 
-from kvbridge.transfer import security, wire
 from kvbridge.transfer.agent import AgentCounters
 from kvbridge.transfer.errors import (
     PeerClosedError,
@@ -46,12 +44,15 @@ from kvbridge.transfer.errors import (
     ProtocolError,
     TransferError,
 )
-from kvbridge.transfer.grants import TOKEN_LEN
-from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
-from kvbridge.transfer.server import channel_of
-from kvbridge.transfer.ucx import UcxConnection, UcxWorker
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from kvbridge.transfer.protocol import security, wire
+from kvbridge.transfer.protocol.handshake import Identity, reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.protocol.wire import channel_of
+from kvbridge.transfer.serving.grants import TOKEN_LEN
+from kvbridge.transfer.ucx.connection import UcxConnection
+from kvbridge.transfer.ucx.worker import UcxWorker
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.transfer.agent_proc import AgentRef, Host, Spec, logical, make_caches
+from tests.waiting import wait_until
 
 MAX_FRAME = 1 << 20  # AgentConfig.max_frame_nbytes default
 CODEC = wire.MessageCodec()
@@ -73,8 +74,8 @@ def _child(conn: Any) -> None:
     import logging
 
     from kvbridge.transfer.agent import TransferAgent
+    from kvbridge.transfer.agent_config import AgentConfig
     from kvbridge.transfer.clock import ManualClock
-    from kvbridge.transfer.config import AgentConfig
 
     logging.basicConfig(level=logging.ERROR)
     # kvbridge's own log lines are kept for the ``logs`` command (tests check that
@@ -189,15 +190,10 @@ def idle_view(snapshot: AgentCounters) -> dict[str, int]:
 
 def wait_idle(agent: AgentRef, baseline: AgentCounters, timeout_s: float = 20.0) -> AgentCounters:
     """Poll until the agent's idle counters equal ``baseline``'s; fail with both if not."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = counters(agent)
-        if idle_view(now) == idle_view(baseline):
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"agent not back to baseline: {idle_view(now)} != "
-                                 f"{idle_view(baseline)}")
-        time.sleep(0.05)
+    return wait_until(lambda: counters(agent), timeout_s, interval_s=0.05,
+                      until=lambda now: idle_view(now) == idle_view(baseline),
+                      message=f"the agent back at baseline {idle_view(baseline)}",
+                      describe=idle_view)
 
 
 def good_read(server: AgentRef, reader: AgentRef, blocks: list[int], local: list[int]) -> None:

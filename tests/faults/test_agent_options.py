@@ -14,7 +14,7 @@ import pytest
 from kvbridge.cli.main import main
 from kvbridge.cli.serve import add_serve_parser, build_engine_config, parse_agent_options
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.config import AgentConfig
+from kvbridge.transfer.agent_config import AgentConfig
 
 
 def serve_args(*flags: str) -> argparse.Namespace:

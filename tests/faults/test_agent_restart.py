@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_serve_http import (
+from tests.integration.served import (
     Served,
     metrics,
     spawn,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -23,6 +22,7 @@ from tests.faults.conftest import (
     FaultCluster,
     PConfig,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -40,14 +40,12 @@ def _assert_clear_error(answer: Answer, *words: str) -> None:
 
 
 def _wait_unhealthy(cluster: FaultCluster, url: str) -> dict[str, object]:
-    deadline = time.monotonic() + REQUEST_DEADLINE_S
-    while True:
-        response = cluster.client.get(f"{url}/health")
-        if response.status_code == 503:
-            body: dict[str, object] = response.json()
-            return body
-        assert time.monotonic() < deadline, f"{url} still healthy: {response.text}"
-        time.sleep(0.1)
+    response = wait_until(lambda: cluster.client.get(f"{url}/health"), REQUEST_DEADLINE_S,
+                          interval_s=0.1, until=lambda r: r.status_code == 503,
+                          message=f"{url}/health to say 503",
+                          describe=lambda r: f"{r.status_code} {r.text}")
+    body: dict[str, object] = response.json()
+    return body
 
 
 @pytest.mark.p_config(PConfig(tp=2))

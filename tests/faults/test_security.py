@@ -23,14 +23,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from kvbridge.transfer import security, wire
 from kvbridge.transfer.errors import RejectedError, TransferError
-from kvbridge.transfer.grants import TOKEN_LEN
-from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
-from kvbridge.transfer.server import channel_of
-from kvbridge.transfer.ucx import UcxWorker
+from kvbridge.transfer.protocol import security, wire
+from kvbridge.transfer.protocol.handshake import Identity, reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.protocol.wire import channel_of
+from kvbridge.transfer.serving.grants import TOKEN_LEN
+from kvbridge.transfer.ucx.worker import UcxWorker
 from tests.faults.fuzz_client import CODEC, MAX_FRAME, FaultHost, counters, good_read, hosts
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import AgentRef, Spec
 

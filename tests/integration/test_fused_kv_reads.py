@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_transfer_reads import close_engine, issue, wait_read, wait_released
+from tests.integration.reads import close_engine, issue, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair
 

@@ -8,7 +8,6 @@ storage. Host-buffer mode stages them through a host copy with ``copy_blocks``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,10 +17,10 @@ from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest, SendRequest
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.agent import AgentConfig
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.transfer.protocol.security import CompatInfo
+from tests.connector.helpers import wait_finished
 
 pytestmark = pytest.mark.integration
 
@@ -82,19 +81,6 @@ def test_caches_that_are_not_fused_are_refused(
     workers.append(worker)
     with pytest.raises(ConfigError, match=match):
         worker.register_kv_caches(caches)
-
-
-def wait_finished(worker: ConnectorWorker, request_id: str, *, recving: bool) -> set[int]:
-    """Poll ``worker`` until it reports ``request_id`` done; the invalid block ids."""
-    invalid: set[int] = set()
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline:
-        out = worker.get_output()
-        invalid |= out.invalid_block_ids
-        if request_id in ((out.finished_recving if recving else out.finished_sending) or ()):
-            return invalid
-        time.sleep(0.01)
-    raise AssertionError(f"{request_id!r} never finished")
 
 
 @pytest.mark.parametrize("host_buffer", [False, True])

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.transfer import wire
-from kvbridge.transfer.direct import block_offsets, plane_ranges
-from kvbridge.transfer.local_copy import CopySource
-from tests.integration.test_transfer_faults import CODEC, MAX_FRAME, connect, me
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from kvbridge.transfer.blocks.ranges import block_offsets, plane_ranges
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.reading.copier import CopySource
+from tests.integration.raw_peer import CODEC, MAX_FRAME, SECRET, connect, me
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-SECRET = b"correct horse battery staple 123"  # as test_transfer_faults' me()
 P_SPEC = Spec("p-x", seed=11, secret=SECRET, config={"lease_s": 30.0})
 D_SPEC = Spec("d-x", seed=-1, secret=SECRET, config={"local_copy_min_nbytes": 0})
 
@@ -44,10 +44,8 @@ def add(host: Host, spec: Spec, **config: Any) -> AgentRef:
 
 
 def wait_counter(agent: AgentRef, name: str, value: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while getattr(agent.call("counters"), name) != value:
-        assert time.monotonic() < deadline, f"{name} never reached {value}"
-        time.sleep(0.02)
+    wait_until(lambda: getattr(agent.call("counters"), name), timeout_s,
+               until=lambda now: now == value, message=f"{name} to reach {value}")
 
 
 def read_ok(server: AgentRef, reader: AgentRef, request_id: str, blocks: list[int],
@@ -114,20 +112,20 @@ def test_raw_reader_copies_what_the_go_says_and_copy_done_unpins(
 
 
 async def reader_handshake_meta(conn: Any) -> wire.AgentMetadata:
-    from kvbridge.transfer.handshake import reader_handshake
+    from kvbridge.transfer.protocol.handshake import reader_handshake
 
     return await reader_handshake(conn, CODEC, me(), "p-x", 0, max_nbytes=MAX_FRAME,
                                   timeout_s=5)
 
 
 async def send(conn: Any, msg: wire.Message) -> None:
-    from kvbridge.transfer.handshake import send_msg
+    from kvbridge.transfer.protocol.handshake import send_msg
 
     await send_msg(conn, CODEC, msg, 5.0)
 
 
 async def recv(conn: Any) -> wire.Message:
-    from kvbridge.transfer.handshake import recv_msg
+    from kvbridge.transfer.protocol.handshake import recv_msg
 
     return await recv_msg(conn, CODEC, MAX_FRAME, 5.0)
 

@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import queue
-import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import pytest
@@ -33,11 +26,18 @@ from kvbridge.cli.main import main
 from kvbridge.cli.proxy import add_proxy_parser
 from kvbridge.cli.serve import add_serve_parser, build_engine_config, parse_nbytes
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
+from tests.integration.served import (
+    Served,
+    metrics,
+    spawn,
+    wait_all_ready,
+    wait_metrics,
+    wait_ready,
+)
 from tests.ports import free_port
+from tests.waiting import wait_until
 
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 40.0
 LONG = "Disaggregated serving moves the prompt's KV cache from prefill to decode. " * 2
 PROMPTS = [
     "Hi!",  # shorter than one block
@@ -45,85 +45,6 @@ PROMPTS = [
     LONG[:64] + "and then a different tail follows here.",  # a prefix hit on both sides
     "0123456789" * 7,
 ]
-
-
-@dataclass
-class Served:
-    """A started ``serve`` or ``proxy`` process and its base URL."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    stderr_path: Path
-
-    def stop_quietly(self) -> None:
-        """``stop`` for cleanup after a failure: never raises."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.stop()
-
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-                raise
-        return self.proc.returncode
-
-
-def _pump_lines(stream: IO[str], lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line)
-
-
-def spawn(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str], Path]:
-    stderr_path = tmp / f"{name}.stderr"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stdout is not None
-    threading.Thread(target=_pump_lines, args=(proc.stdout, lines), daemon=True).start()
-    return proc, lines, stderr_path
-
-
-def wait_ready(proc: subprocess.Popen[str], lines: queue.Queue[str], stderr: Path) -> Served:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        match = re.match(r"kvbridge (serve|proxy) ready on (http://\S+)$", line.strip())
-        if match:
-            return Served(proc, match.group(2), stderr)
-    Served(proc, "", stderr).stop_quietly()
-    pytest.fail(f"no ready line (exit {proc.returncode}):\n{stderr.read_text()[-3000:]}")
-
-
-def wait_all_ready(
-    pending: list[tuple[subprocess.Popen[str], queue.Queue[str], Path]],
-) -> list[Served]:
-    """``wait_ready`` for each of ``pending``; if one fails, all of them are stopped.
-
-    A fixture that fails while starting must not leave servers (and their TP
-    workers) running for the rest of the session.
-    """
-    served: list[Served] = []
-    try:
-        for item in pending:
-            served.append(wait_ready(*item))
-    except BaseException:
-        for proc, _, stderr in pending:
-            Served(proc, "", stderr).stop_quietly()
-        raise
-    return served
-
 
 
 @dataclass
@@ -167,22 +88,6 @@ def complete(url: str, prompt: str, **options: Any) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     answer: dict[str, Any] = r.json()
     return answer
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) (\S+)$", text, re.M)}
-
-
-def wait_metrics(url: str, want: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
-    """Poll ``/metrics`` until every named value equals ``want`` (fails after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = metrics(url)
-        if all(values.get(k) == v for k, v in want.items()) or time.monotonic() > deadline:
-            assert {k: values.get(k) for k in want} == want
-            return values
-        time.sleep(0.1)
 
 
 @pytest.mark.integration
@@ -276,11 +181,10 @@ def test_tp2_server_answers_and_stops_cleanly(deployment: Deployment, tmp_path: 
     finally:
         code = served.stop()
     assert code == 0, served.stderr_path.read_text()[-2000:]
-    for pid in map(int, children):
-        deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(pid), f"worker {pid} outlived its server"
+    pids = [int(pid) for pid in children]
+    wait_until(lambda: [pid for pid in pids if _alive(pid)], 10, interval_s=0.1,
+               until=lambda alive: not alive, message=f"workers {pids} to exit with their server",
+               describe=lambda alive: f"still running: {alive}")
 
 
 def _alive(pid: int) -> bool:

@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import Host, Spec, logical
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -120,10 +121,8 @@ def test_staged_read_cut_while_its_chunk_is_due_fails_instead_of_using_old_bytes
         assert wait_read(reader, "first")["failed"] == set()
         token = issue([server], "cut", [5, 6, 7, 8], 1)
         read([reader], [server], "cut", token, [5, 6, 7, 8], [10, 11], 64)
-        deadline = time.monotonic() + 10.0
-        while server.call("counters").num_read_tasks == 0:  # the read is being served
-            assert time.monotonic() < deadline, "the read never reached the server"
-            time.sleep(0.02)
+        wait_until(lambda: server.call("counters").num_read_tasks, 10.0,  # being served
+                   message="the read to reach the server")
         time.sleep(0.5)  # header answered, chunk receive posted; the chunk is 3 s away
         p_host.kill()
         outcome = wait_read(reader, "cut", timeout_s=20.0)

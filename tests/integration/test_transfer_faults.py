@@ -19,21 +19,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.transfer import security, wire
 from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError
-from kvbridge.transfer.handshake import Identity, reader_handshake, recv_msg, send_msg
-from kvbridge.transfer.ucx import UcxConnection, UcxWorker
-from tests.integration.test_transfer_reads import issue, read, wait_read, wait_released
+from kvbridge.transfer.protocol import security, wire
+from kvbridge.transfer.protocol.handshake import reader_handshake, recv_msg, send_msg
+from kvbridge.transfer.ucx.connection import UcxConnection
+from tests.integration.raw_peer import CODEC, MAX_FRAME, SECRET, connect, me
+from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
 from tests.transfer.agent_proc import AgentRef, Host, Spec, logical
+from tests.waiting import WaitTimeout
 
 pytestmark = pytest.mark.integration
 
-SECRET = b"correct horse battery staple 123"
 P_SPEC = Spec("p-x", seed=7, secret=SECRET, config={"lease_s": 30.0})
 D_SPEC = Spec("d-x", seed=-1, secret=SECRET)
-CODEC = wire.MessageCodec()
-MAX_FRAME = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +62,9 @@ def good_read_works(server: AgentRef, reader: AgentRef) -> None:
 def released_within(server: AgentRef, request_id: str, timeout_s: float) -> bool:
     try:
         wait_released(server, request_id, timeout_s=timeout_s)
-    except AssertionError:
+    except WaitTimeout:
         return False
     return True
-
-
-def me(secret: bytes | None = SECRET, compat: str | None = None) -> Identity:
-    return Identity("attacker", 0, compat or security.compat_hash(P_SPEC.compat()), secret)
-
-
-async def connect(port: int) -> tuple[UcxWorker, UcxConnection]:
-    worker = UcxWorker()
-    return worker, await worker.connect("127.0.0.1", port, timeout_s=5.0)
 
 
 async def expect_dropped(conn: UcxConnection) -> wire.RejectReason | None:

@@ -11,12 +11,18 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
-from tests.ports import free_port_base
+from tests.integration.reads import (
+    close_engine,
+    issue,
+    read,
+    start_engine,
+    wait_read,
+    wait_released,
+)
 from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical
 
 pytestmark = pytest.mark.integration
@@ -26,41 +32,6 @@ pytestmark = pytest.mark.integration
 def hosts() -> Iterator[tuple[Host, Host]]:
     with host_pair() as pair:
         yield pair
-
-
-def start_engine(host: Host, spec: Spec) -> list[AgentRef]:
-    base = free_port_base(spec.tp_size)
-    return [host.add(replace(spec, tp_rank=r, port=base + r)) for r in range(spec.tp_size)]
-
-
-def close_engine(engine: list[AgentRef]) -> None:
-    for agent in engine:
-        agent.call("close")
-
-
-def wait_read(reader: AgentRef, request_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _, recving, failed, stats = reader.call("poll")
-        reader.finished |= recving
-        reader.failed.update(failed)
-        reader.stats.extend(stats)
-        if request_id in reader.finished:
-            mine = [s for s in reader.stats if s.request_id == request_id]
-            return {"failed": reader.failed.get(request_id, set()), "stats": mine}
-        time.sleep(0.02)
-    raise AssertionError(f"read {request_id} did not finish within {timeout_s}s")
-
-
-def wait_released(server: AgentRef, request_id: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sending, _, _, _ = server.call("poll")
-        server.released |= sending
-        if request_id in server.released:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"grant of {request_id} not released within {timeout_s}s")
 
 
 def gather_logical(engine: list[AgentRef], block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -73,25 +44,6 @@ def gather_logical(engine: list[AgentRef], block_ids: list[int], num_tokens: int
         step = spec.tp_size // spec.num_kv_heads
         parts = parts[::step]
     return torch.cat(parts, dim=3)
-
-
-def issue(engine: list[AgentRef], request_id: str, blocks: list[int], num_readers: int) -> str:
-    token = secrets.token_urlsafe(16)
-    for agent in engine:
-        assert agent.call("issue", request_id, blocks, num_readers, None, token) == token
-    return token
-
-
-def read(
-    d_engine: list[AgentRef], p_engine: list[AgentRef], request_id: str, token: str,
-    p_blocks: list[int], d_blocks: list[int], num_tokens: int,
-) -> None:
-    for agent in d_engine:
-        agent.call(
-            "read", request_id=request_id, engine_id=p_engine[0].spec.engine_id,
-            host="127.0.0.1", port=p_engine[0].port, remote_block_ids=p_blocks,
-            local_block_ids=d_blocks, grant=token, num_tokens=num_tokens,
-        )
 
 
 # Which scenarios read direct (block memory to block memory, no staging): same

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbridge.kernels import Impl
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels.reference import as_layers, raw
 
 IMPLS: tuple[Impl, ...] = ("torch", "triton")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kvbridge.kernels import WireFormat
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

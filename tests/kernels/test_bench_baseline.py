@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.kernel_bench import _three_pass
 from kvbridge.kernels import pack, unpack, wire_format
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, random_caches
 from tests.kernels.reference import as_layers, raw
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbridge.kernels import Impl, copy_blocks
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels import reference
 from tests.kernels.helpers import IMPLS, CacheSpec, clone, random_caches, same_bytes
 

@@ -15,7 +15,7 @@ import torch
 
 from kvbridge.kernels import Impl, KernelInputError, WireFormat, copy_blocks, pack, unpack
 from kvbridge.kernels import wire_format as wire_format_of
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels.helpers import IMPLS
 from tests.kernels.reference import raw
 

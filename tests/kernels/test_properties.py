@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.kernels import Impl
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
+from tests.kernels.checks import check_transfer
 from tests.kernels.helpers import CacheSpec
-from tests.kernels.test_pack_unpack import check_transfer
 
 
 @st.composite

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbridge.kernels import Impl, pack, unpack, wire_format
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, random_caches
 from tests.kernels.reference import as_layers, raw
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.kernels import Impl, KernelInputError, pack, unpack, wire_format
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels import reference
 from tests.kernels.helpers import IMPLS, CacheSpec, clone, random_caches, same_bytes, shuffled_ids
 

@@ -9,7 +9,7 @@ import torch
 
 from kvbridge.errors import ConfigError
 from kvbridge.kernels import KernelInputError, WireFormat, copy_blocks, pack, unpack, wire_format
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, clone, random_caches, same_bytes
 
 NHD, HND = KVLayout.NHD, KVLayout.HND

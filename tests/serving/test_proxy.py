@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.errors import ConfigError
 from kvbridge.serving.proxy import PDProxy, ProxyConfig, backend_urls, build_proxy_app
+from tests.waiting import wait_until_async
 
 T = TypeVar("T")
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.1",
@@ -294,11 +295,13 @@ async def serving(backend: Backend, sock: socket.socket) -> AsyncIterator[None]:
     sock.listen()
     server = uvicorn.Server(uvicorn.Config(backend.app(), log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(10):
-        while not server.started:
-            if task.done():
-                task.result()  # raises what stopped it
-            await asyncio.sleep(0.01)
+
+    def started() -> bool:
+        if task.done():
+            task.result()  # raises what stopped it
+        return server.started
+
+    await wait_until_async(started, 10, message="the backend's server to start")
     try:
         yield
     finally:

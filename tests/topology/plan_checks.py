@@ -11,8 +11,7 @@ import functools
 import itertools
 from collections import Counter
 
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology, ReadPlan, RemoteRead, TpKVTopology
+from kvbridge.topology import EngineTopology, KVLayout, ReadPlan, RemoteRead, TpKVTopology
 from kvbridge.topology import num_expected_readers as expected_readers_fn
 
 ELEM_SIZE = 2

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
 from kvbridge.topology import (
     BlockSizeRatio,
     EngineTopology,
+    KVLayout,
     block_size_ratio,
     heads_for_tp_rank,
     signed_ratio,

@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
 from kvbridge.topology import (
     EngineTopology,
     IncompatibleTopologyError,
+    KVLayout,
     TpKVTopology,
     build_read_plan,
     check_compatible,

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import describe_cache
+from kvbridge.topology import KVLayout, describe_cache
 
 N, B, H, D, L = 5, 16, 4, 8, 3  # blocks, block size, heads, head dim, layers
 

@@ -14,8 +14,7 @@ import itertools
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology, TpKVTopology
+from kvbridge.topology import EngineTopology, KVLayout, TpKVTopology
 from tests.topology.plan_checks import check_pair, layers_by_rank
 
 TP_SIZES = (1, 2, 4, 8)

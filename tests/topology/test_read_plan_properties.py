@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.layout import KVLayout
 from kvbridge.topology import (
     EngineTopology,
     IncompatibleTopologyError,
+    KVLayout,
     TpKVTopology,
     block_size_ratio,
     build_read_plan,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
 from kvbridge.topology import (
     EngineTopology,
     IncompatibleTopologyError,
+    KVLayout,
     RemoteRank,
     TpKVTopology,
     UnknownEngineError,

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.clock import ManualClock
-from kvbridge.transfer.config import AgentConfig
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.transfer.protocol.security import CompatInfo
 from tests.child_host import ChildHost, serve_commands
 
 if TYPE_CHECKING:  # imported in the child only: the parent stays free of ucxx

@@ -12,7 +12,6 @@ Used by ``test_transport_inproc.py`` and ``test_link_inproc.py``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +21,24 @@ from typing import Any
 
 import torch
 
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology, RemoteRead, build_read_plan
-from kvbridge.transfer import wire
+from kvbridge.topology import EngineTopology, KVLayout, RemoteRead, build_read_plan
+from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.blocks.staging import BufferPool
 from kvbridge.transfer.clock import ManualClock
-from kvbridge.transfer.config import AgentConfig, LocalKV, topology_info, topology_of
-from kvbridge.transfer.grants import GrantTable
-from kvbridge.transfer.handshake import Identity, recv_msg, send_msg, serve_handshake
-from kvbridge.transfer.read_job import ReadJob, Reads, TransferStats
-from kvbridge.transfer.reader import PeerLink, ReaderContext
-from kvbridge.transfer.security import CompatInfo, compat_hash
-from kvbridge.transfer.server import ServerContext, serve_connection
-from kvbridge.transfer.staging import BufferPool
-from kvbridge.transfer.ucx import UcxConnection, UcxWorker
+from kvbridge.transfer.local_kv import LocalKV, topology_info, topology_of
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.protocol.handshake import Identity, recv_msg, send_msg, serve_handshake
+from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.jobs import ReadJob, ReadStats
+from kvbridge.transfer.reading.link import PeerLink
+from kvbridge.transfer.reading.reads import Reads
+from kvbridge.transfer.reading.strategy import ReaderContext
+from kvbridge.transfer.serving.context import ServerContext
+from kvbridge.transfer.serving.grants import GrantTable
+from kvbridge.transfer.serving.session import serve_connection
+from kvbridge.transfer.ucx.connection import UcxConnection
+from kvbridge.transfer.ucx.worker import UcxWorker
+from tests.waiting import wait_until_async
 
 HOST = "127.0.0.1"
 SERVER_ID, READER_ID = "p-inproc", "d-inproc"
@@ -72,16 +76,6 @@ def identity(engine_id: str) -> Identity:
     return Identity(engine_id, 0, compat_hash(COMPAT), None, topology_info(TOPOLOGY))
 
 
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,
-                     what: str = "a condition") -> None:
-    """Let the loop run until ``predicate()`` holds (AssertionError after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        await asyncio.sleep(0.005)
-
-
 @dataclass
 class Server:
     """A real server session behind a listener; its grant table on a manual clock."""
@@ -100,7 +94,7 @@ class Reader:
     ctx: ReaderContext
     reads: Reads
     port: int
-    outcomes: dict[str, TransferStats] = field(default_factory=dict)
+    outcomes: dict[str, ReadStats] = field(default_factory=dict)
     failed: dict[str, set[int]] = field(default_factory=dict)
 
     def submit(self, request_id: str, grant: str, remote_ids: list[int],
@@ -110,7 +104,7 @@ class Reader:
                                   tuple(local_ids), grant, BLOCK_SIZE * len(remote_ids),
                                   time.monotonic()))
 
-    async def outcome(self, request_id: str, timeout_s: float = 15.0) -> TransferStats:
+    async def outcome(self, request_id: str, timeout_s: float = 15.0) -> ReadStats:
         """Wait for the read's outcome (``ok`` and ``error`` in the stats)."""
 
         def ended() -> bool:
@@ -119,7 +113,7 @@ class Reader:
             self.outcomes.update((s.request_id, s) for s in self.reads.take_stats())
             return request_id in self.outcomes
 
-        await wait_until(ended, timeout_s, f"read {request_id}")
+        await wait_until_async(ended, timeout_s, message=f"read {request_id} to end")
         return self.outcomes[request_id]
 
 

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer.config import LocalKV
-from kvbridge.transfer.direct import block_ranges, head_span
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.blocks.ranges import block_ranges, head_span
+from kvbridge.transfer.local_kv import LocalKV
 
 NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 6, 4, 4, 8, 3
 

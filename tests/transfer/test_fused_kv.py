@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer import security as sec
-from kvbridge.transfer import wire
-from kvbridge.transfer.config import LocalKV, topology_from_info, topology_info, topology_of
-from kvbridge.transfer.direct import block_ranges, head_span
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.blocks.ranges import block_ranges, head_span
 from kvbridge.transfer.errors import MissingPortError
-from kvbridge.transfer.read_job import ReadJob
+from kvbridge.transfer.local_kv import LocalKV, topology_from_info, topology_info, topology_of
+from kvbridge.transfer.protocol import security as sec
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.reading.jobs import ReadJob
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE, LAYERS = 6, 4, 8, 4, 3
 ROW = 2 * HEAD_SIZE

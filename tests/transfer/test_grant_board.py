@@ -1,4 +1,4 @@
-"""The grant board (``kvbridge.transfer.grant_board``): slots, sequence numbers, lookups.
+"""The grant board (``kvbridge.transfer.protocol.grant_board``): slots, sequence numbers, lookups.
 
 Lookups here read the board's bytes in this process; ``test_local_copy.py`` reads
 one in another process through ``CopySource`` like a reader does.
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvbridge.transfer.clock import ManualClock
-from kvbridge.transfer.grant_board import (
+from kvbridge.transfer.protocol.grant_board import (
     MAX_BLOCKS,
     SLOT_NBYTES,
     WINDOW,
@@ -21,7 +21,7 @@ from kvbridge.transfer.grant_board import (
     home_slot,
     token_digest,
 )
-from kvbridge.transfer.grants import GrantTable
+from kvbridge.transfer.serving.grants import GrantTable
 
 TOKEN = "tok-" + "a" * 18
 PROMPT = b"p" * 32

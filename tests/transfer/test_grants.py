@@ -1,4 +1,4 @@
-"""Tests for kvbridge.transfer.grants: leases, reader counting, exactly-once release."""
+"""Tests for kvbridge.transfer.serving.grants: leases, reader counting, exactly-once release."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.transfer.clock import ManualClock
-from kvbridge.transfer.grants import (
+from kvbridge.transfer.serving.grants import (
     TOKEN_LEN,
     BlockNotGrantedError,
     DuplicateGrantError,

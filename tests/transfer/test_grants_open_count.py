@@ -6,7 +6,7 @@ import pytest
 
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.clock import ManualClock
-from kvbridge.transfer.grants import GrantTable, UnknownGrantError
+from kvbridge.transfer.serving.grants import GrantTable, UnknownGrantError
 
 
 def table() -> GrantTable:

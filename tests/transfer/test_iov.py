@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
-from kvbridge.transfer.iov import iov_array
-from kvbridge.transfer.ucp_lib import UcpError, UcpLibrary, UcpRequest
+from kvbridge.transfer.ucx.iov import iov_array
+from kvbridge.transfer.ucx.ucp_lib import UcpError, UcpLibrary, UcpRequest
 
 
 def test_scattered_ranges_are_kept_in_order() -> None:

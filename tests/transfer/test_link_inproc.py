@@ -1,6 +1,6 @@
 """A reader's link against a real server session (or a scripted one) in this process.
 
-``reader.py``/``read_job.py`` on one side, ``server.py``'s ``serve_connection``
+``reading/link.py``/``reading/jobs.py`` on one side, ``serving/session.py``'s ``serve_connection``
 on the other, two UCX workers on one event loop (``tests/transfer/inproc.py``).
 The server's grant table runs on a ``ManualClock``: a lease ends when the test
 moves the clock, never by sleeping. Covers issue #20's protocol defects: a
@@ -17,20 +17,20 @@ import secrets
 import numpy as np
 import pytest
 
-from kvbridge.transfer import wire
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
     ProtocolError,
     RejectedError,
     ReplyPendingError,
 )
-from kvbridge.transfer.ucx import UcxConnection
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.ucx.connection import UcxConnection
 from tests.transfer.inproc import (
     fake_server_link,
     same_blocks,
     server_and_reader,
-    wait_until,
 )
+from tests.waiting import wait_until_async
 
 R = wire.RejectReason
 
@@ -49,7 +49,8 @@ def test_a_read_by_the_engine_chosen_token_lands_byte_for_byte() -> None:
             assert stats.ok and stats.num_direct == 1, stats
             assert same_blocks(server.ctx.local, [3, 9, 4], reader.ctx.local, [0, 1, 2])
             # the reader's done report is counted against that same token
-            await wait_until(lambda: len(server.ctx.grants) == 0, what="grant released")
+            await wait_until_async(lambda: len(server.ctx.grants) == 0, 10.0,
+                                   message="the grant to be released")
             server.ctx.grants.check_integrity()
 
     asyncio.run(run())
@@ -88,7 +89,8 @@ def test_a_refused_renewal_fails_its_own_read_and_no_other() -> None:
             reader.submit("long", long, BLOCKS, list(range(6, 12)))
             # Both reads pinned their grants (each holds a staging buffer once the
             # server's DataHeader came); then the short lease ends under them.
-            await wait_until(lambda: reader.ctx.pool.num_lent == 2, what="both reads begun")
+            await wait_until_async(lambda: reader.ctx.pool.num_lent == 2, 10.0,
+                                   message="both reads to begin")
             server.clock.advance(5.0)
             refused, kept = await reader.outcome("short"), await reader.outcome("long")
             assert not refused.ok and "LeaseRefusedError" in refused.error, refused
@@ -176,7 +178,7 @@ def test_an_unexpected_answer_to_a_read_is_a_protocol_error_of_that_read() -> No
             with pytest.raises(RejectedError, match="unknown_grant"):
                 await link.read(item, "another-grant-0000", [1], [1], 4)
             # the go pinned a grant on the server: we said at once we will not copy
-            await wait_until(lambda: bool(COPY_DONE), what="CopyDone")
+            await wait_until_async(lambda: bool(COPY_DONE), 10.0, message="CopyDone")
             [go_id], [(done_id, ok)] = GO_SENT, COPY_DONE
             assert (done_id, ok) == (go_id, False)
 

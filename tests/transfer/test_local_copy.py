@@ -1,4 +1,4 @@
-"""Same-host copies (``kvbridge.transfer.local_copy``) against a real second process.
+"""Same-host copies (``transfer/reading/same_host.py``) against a real second process.
 
 A spawned child holds a buffer and a ``ProbeCell``; this process copies out of
 it with ``process_vm_readv`` through ``CopySource`` and ``Copier``.
@@ -18,10 +18,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.transfer import local_copy, wire
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
-from kvbridge.transfer.grant_board import GrantBoard
-from kvbridge.transfer.local_copy import Copier, CopySource, ProbeCell, allowed
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.protocol.grant_board import GrantBoard
+from kvbridge.transfer.protocol.host import ENV_SWITCH, ProbeCell, allowed
+from kvbridge.transfer.reading.copier import Copier, CopySource
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process_vm_readv is Linux's")
 
@@ -170,7 +171,7 @@ def test_allowed_follows_config_and_environment(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, env: dict[str, str], expected: bool
 ) -> None:
     monkeypatch.delenv("UCX_TLS", raising=False)
-    monkeypatch.delenv(local_copy.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert allowed(enabled) is expected

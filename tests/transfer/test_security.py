@@ -1,4 +1,4 @@
-"""Tests for kvbridge.transfer.security: secrets, proofs, compatibility hashes."""
+"""Tests for kvbridge.transfer.protocol.security: secrets, proofs, compatibility hashes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.transfer import security as sec
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.protocol import security as sec
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -227,8 +227,8 @@ def test_compat_info_round_trips_through_msgspec() -> None:
 
 def test_compat_hash_is_stable_across_processes() -> None:
     code = (
-        "from kvbridge.layout import KVLayout\n"
-        "from kvbridge.transfer.security import CompatInfo, compat_hash\n"
+        "from kvbridge.topology import KVLayout\n"
+        "from kvbridge.transfer.protocol.security import CompatInfo, compat_hash\n"
         f"info = CompatInfo({INFO.model!r}, {INFO.dtype!r}, {INFO.num_kv_heads}, "
         f"{INFO.head_dim}, {INFO.num_layers}, KVLayout.{INFO.layout.name}, "
         f"{INFO.block_size}, {INFO.is_mla})\n"

@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer.reader import _TokenWindow
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.reading.tokens import TokenWindow
 
 
 def local(block_size: int) -> EngineTopology:
@@ -17,7 +16,7 @@ def local(block_size: int) -> EngineTopology:
 
 def test_read_from_the_middle_of_a_remote_block() -> None:
     # tokens [48, 90): remote blocks of 32 -> blocks 1..2, skip 16; local blocks of 16 -> 3..
-    window = _TokenWindow(48, 42, 32, local(16))
+    window = TokenWindow(48, 42, 32, local(16))
     assert (window.first_remote_block, window.end_remote_block, window.skip) == (1, 3, 16)
     assert (window.first_local_block, window.local_offset) == (3, 0)
     # chunks of one remote block: (src offset, tokens, local position)
@@ -36,7 +35,7 @@ def test_read_from_the_middle_of_a_remote_block() -> None:
 def test_every_token_lands_once_in_order(
     remote_bs: int, local_bs: int, first_token: int, num_tokens: int, chunk_blocks: int
 ) -> None:
-    window = _TokenWindow(first_token, num_tokens, remote_bs, local(local_bs))
+    window = TokenWindow(first_token, num_tokens, remote_bs, local(local_bs))
     num_blocks = window.end_remote_block - window.first_remote_block
     landed = []  # (request token, local block index, slot)
     for first_block in range(0, num_blocks, chunk_blocks):

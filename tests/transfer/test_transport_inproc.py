@@ -1,4 +1,4 @@
-"""``transfer/ucx.py`` between two UCX workers of this process, on one event loop.
+"""``transfer/ucx/`` (worker, connection) between two UCX workers of this process.
 
 No child process: a listener, a connection to it, frames and data both ways, a
 peer that went away, deadlines, and the mapping of ucxx's exceptions onto
@@ -23,8 +23,10 @@ from kvbridge.transfer.errors import (
     ProtocolError,
     TransferError,
 )
-from kvbridge.transfer.ucx import UcxConnection, UcxWorker, _map_ucx_error
-from tests.transfer.inproc import HOST, wait_until
+from kvbridge.transfer.ucx.connection import UcxConnection
+from kvbridge.transfer.ucx.worker import UcxWorker, _map_ucx_error
+from tests.transfer.inproc import HOST
+from tests.waiting import wait_until_async
 
 MAX_FRAME = 4096
 
@@ -109,7 +111,8 @@ def test_a_silent_peer_times_out_and_the_connection_is_aborted() -> None:
             with pytest.raises(PeerClosedError):
                 await conn.send_frame(b"late", timeout_s=1.0)
             # the abandoned receive was completed, not left posted for ever
-            await wait_until(lambda: worker.num_requests == 0, what="receive ended")
+            await wait_until_async(lambda: worker.num_requests == 0, 10.0,
+                                   message="the receive to end")
 
     asyncio.run(run())
 
@@ -153,7 +156,8 @@ def test_connecting_where_nobody_listens_fails_typed_within_the_deadline() -> No
         try:
             with pytest.raises((PeerTimeoutError, PeerUnreachableError)):
                 await asyncio.wait_for(worker.connect(HOST, port, timeout_s=0.5), 5.0)
-            await wait_until(lambda: worker.num_connections == 0, what="id released")
+            await wait_until_async(lambda: worker.num_connections == 0, 10.0,
+                                   message="the id to be released")
         finally:
             await worker.close()
 

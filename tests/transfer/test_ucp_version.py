@@ -1,11 +1,11 @@
-"""The libucp version check of ``transfer/ucp_lib.py`` (its ctypes structs are hand-written)."""
+"""The libucp version check of ``transfer/ucx/ucp_lib.py`` (its ctypes structs are hand-written)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.ucp_lib import SUPPORTED_UCP, UcpLibrary, check_ucp_version
+from kvbridge.transfer.ucx.ucp_lib import SUPPORTED_UCP, UcpLibrary, check_ucp_version
 
 
 @pytest.mark.parametrize("found", [(1, 19, 0), (1, 21, 0), (1, 21, 7)])

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.transfer import wire
 from kvbridge.transfer.errors import ProtocolError
+from kvbridge.transfer.protocol import wire
 
 CODEC = wire.MessageCodec()
 

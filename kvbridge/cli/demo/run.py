@@ -99,7 +99,7 @@ class DemoConfig:
                 size, layout or model, or a count below 1.
         """
         from kvbridge.engine.engine_config import EngineConfig
-        from kvbridge.layout import KVLayout
+        from kvbridge.topology import KVLayout
 
         if self.num_prompts < 1 or self.max_tokens < 1:
             raise ConfigError(f"--num-prompts ({self.num_prompts}) and --max-tokens "

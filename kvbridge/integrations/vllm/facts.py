@@ -25,9 +25,8 @@ import torch
 
 from kvbridge.connector.scheduler import Role
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer.security import CompatInfo
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.protocol.security import CompatInfo
 
 __all__ = ["EngineFacts", "cache_topology", "engine_facts", "unique_layer_caches"]
 

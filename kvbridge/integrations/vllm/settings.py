@@ -22,8 +22,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.config import AgentConfig
-from kvbridge.transfer.security import load_cluster_secret
+from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.protocol.security import load_cluster_secret
 
 __all__ = ["VllmSettings", "parse_settings"]
 
@@ -62,7 +62,7 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         model_id: identity P and D must share (default: the model's name
             and its architecture's sizes). Set it when P and D load the same
             weights from differently named paths.
-        agent: transfer agent overrides (``kvbridge.transfer.config.AgentConfig``
+        agent: transfer agent overrides (``kvbridge.transfer.agent_config.AgentConfig``
             fields, e.g. ``{"read_timeout_s": 30}``).
     """
 

@@ -48,20 +48,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
-from kvbridge.transfer import wire
-from kvbridge.transfer.config import topology_of
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
-    MissingPortError,
     RejectedError,
     TransferError,
 )
-from kvbridge.transfer.reader import BegunRead, ItemResult, PeerLink, ReaderContext
-from kvbridge.transfer.ucx import UcxWorker
+from kvbridge.transfer.local_kv import topology_of
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.reading.jobs import ReadJob, ReadStats
+from kvbridge.transfer.reading.link import PeerLink
+from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext
+from kvbridge.transfer.ucx.worker import UcxWorker
+
+__all__ = ["Reads"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,77 +76,6 @@ _VERDICTS = frozenset({
     wire.RejectReason.NOT_GRANTED, wire.RejectReason.PROMPT_MISMATCH,
     wire.RejectReason.VERSION, wire.RejectReason.COMPAT, wire.RejectReason.AUTH,
 })
-
-
-@dataclass(frozen=True, slots=True)
-class ReadJob:
-    """One ``start_read`` call (validated by the agent).
-
-    ``port``: the serving engine's base port (its rank ``g`` listens on ``port +
-    g``), or the port of each of its global ranks (index = rank).
-    """
-
-    request_id: str
-    engine_id: str
-    host: str
-    port: int | tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-    grant: str
-    num_tokens: int
-    submitted_at: float
-    first_token: int = 0
-    prompt_digest: bytes = b""  # security.prompt_digest of the reader's prompt; b"": none
-    notify_only: bool = False  # send ReadDone(ok) to every planned rank, read nothing
-    ok: bool = True  # the ReadDone flag of a notify-only job
-
-    def port_of(self, rank: int) -> int:
-        """Where remote global rank ``rank`` listens.
-
-        Raises:
-            MissingPortError: a per-rank list without ``rank``.
-        """
-        if isinstance(self.port, int):
-            return self.port + rank
-        if rank >= len(self.port):
-            raise MissingPortError(
-                f"read {self.request_id!r} needs rank {rank} of engine {self.engine_id!r}, "
-                f"but only the ports of ranks [0, {len(self.port)}) were given"
-            )
-        return self.port[rank]
-
-    def has_port(self, rank: int) -> bool:
-        """Whether :meth:`port_of` knows ``rank``."""
-        return isinstance(self.port, int) or rank < len(self.port)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What one read cost.
-
-    Attributes:
-        request_id: the request.
-        ok: all items succeeded.
-        nbytes: KV bytes received.
-        duration_s: from ``start_read`` to the outcome.
-        num_messages: control messages and data chunks exchanged.
-        num_remote_ranks: remote ranks contacted.
-        error: the first failure, empty when ok.
-        num_direct: plan items read direct, block memory to block memory (the
-            rest were staged: packed, sent, unpacked).
-        num_local_copies: of those, items this reader copied out of a server
-            process on its own host (``local_copy.py``) instead of through UCX.
-    """
-
-    request_id: str
-    ok: bool
-    nbytes: int
-    duration_s: float
-    num_messages: int
-    num_remote_ranks: int
-    error: str = ""
-    num_direct: int = 0
-    num_local_copies: int = 0
 
 
 class Reads:
@@ -167,7 +98,7 @@ class Reads:
         self._outcome = threading.Condition(self._lock)  # notified when _finished grows
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
-        self._stats: list[TransferStats] = []
+        self._stats: list[ReadStats] = []
 
     # ---------------------------------------------------------------- engine thread
     def take_finished(self) -> set[str]:
@@ -185,7 +116,7 @@ class Reads:
             failed, self._failed = self._failed, {}
             return failed
 
-    def take_stats(self) -> list[TransferStats]:
+    def take_stats(self) -> list[ReadStats]:
         with self._lock:
             stats, self._stats = self._stats, []
             return stats
@@ -431,7 +362,7 @@ class Reads:
             return
         if errors:
             logger.warning("read %s from %s failed: %s", job.request_id, job.engine_id, errors[0])
-        stats = TransferStats(
+        stats = ReadStats(
             request_id=job.request_id,
             ok=ok,
             nbytes=sum(r.nbytes for r in results),

@@ -1,178 +1,23 @@
-"""Tunables of the transfer agent and the description of one worker's KV cache.
+"""One worker's KV cache as the transfer agent sees it: ``LocalKV``, and topology on the wire.
 
-``AgentConfig`` holds every timeout and buffer size (all waits in the agent take
-their deadline from here). ``LocalKV`` checks the worker's registered caches
-against its ``EngineTopology`` and answers what the handshake advertises.
-Both are built by ``TransferAgent`` (``agent.py``) from its constructor arguments;
-``AgentConfig.from_options`` builds the config from a deployment's overrides
-(``kvbridge serve --transfer-option``, the vLLM connector's ``agent`` setting).
+``LocalKV`` checks the worker's registered caches against its
+``EngineTopology`` and answers what the handshake advertises;
+``topology_info`` / ``topology_from_info`` / ``topology_of`` convert a topology
+to and from its wire form (``protocol/wire.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
-import typing
-from collections.abc import Mapping, Sequence
-from typing import Annotated
+from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
-from kvbridge.topology import EngineTopology
-from kvbridge.transfer import wire
-
-# msgspec has no "finite" constraint: the largest float as upper bound keeps out
-# inf, and NaN fails every comparison.
-_FINITE_MAX = sys.float_info.max
-#: Seconds, finite and > 0.
-_Seconds = Annotated[float, msgspec.Meta(gt=0, le=_FINITE_MAX)]
-#: Seconds, finite and >= 0 (0: off).
-_SecondsOrOff = Annotated[float, msgspec.Meta(ge=0, le=_FINITE_MAX)]
-_Positive = Annotated[int, msgspec.Meta(gt=0)]
-_PositiveOrOff = Annotated[int, msgspec.Meta(ge=0)]
-_UpTo64 = Annotated[int, msgspec.Meta(gt=0, le=64)]
-
-
-class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Timeouts (seconds) and sizes (bytes) of one transfer agent.
-
-    Built by keyword (``AgentConfig(read_timeout_s=30)``) or with
-    :meth:`from_options`; either way every field is checked against its
-    annotation (type, finite, bounds) and a bad value raises ``ConfigError``
-    naming the field and the value. Change one with ``msgspec.structs.replace``.
-
-    Attributes:
-        connect_timeout_s: UCX connect plus id swap.
-        handshake_timeout_s: each handshake message.
-        reply_timeout_s: a control reply (data header, lease renewal, pong).
-        chunk_timeout_s: one data chunk, from credit to arrival.
-        read_timeout_s: a whole request's read, all ranks together.
-        heartbeat_s: a reader pings an idle link this often; a link silent for
-            ``3 * heartbeat_s`` is dead.
-        server_idle_timeout_s: a server drops a connection silent this long.
-        chunk_nbytes: target bytes per data chunk (at least one block).
-        window_chunks: chunks a reader keeps posted per read (credit window).
-        num_read_slots: reads staged at once (each holds ``window_chunks`` buffers).
-        num_serve_buffers: chunk buffers shared by all reads this agent serves.
-        max_frame_nbytes: largest control frame accepted.
-        lease_s: lease asked for when renewing a grant during a long read.
-        renew_every_s: how often a long read renews its grant.
-        expire_every_s: how often the server expires grants while it holds any
-            (holding none, it sleeps until one is issued).
-        grant_wait_s: how long the server waits for a grant it has not issued yet
-            (the engine returns the token to D before its workers issue it), before
-            rejecting a read or dropping a done report naming it.
-        direct_reads: read straight from the server's blocks into ours when both
-            caches store them alike (no staging, pack or unpack); False forces
-            the staged path (tests, or a transport that handles IOV messages badly).
-        local_copy: when reader and server share a host, the reader copies a
-            direct read's blocks out of the server's memory itself (one pass,
-            ``local_copy.py``) instead of receiving them through UCX. Also off
-            with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
-        local_copy_min_nbytes: smaller direct reads go through UCX even on one
-            host: below ~8 MiB UCX's shared memory, both processes copying at
-            once, is as fast as one copy (measured in docs/benchmarks.md; from
-            8 MiB up the copy wins, by more the larger the read).
-        copy_threads: threads one same-host copy is split over (large reads).
-        grant_board: when serving same-host copies, also publish live grants on
-            the board same-host readers check themselves (``grant_board.py``), so
-            they need not ask before they copy. False: every copy asks.
-        test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
-            sleeps this long before sending each data chunk, so that fault tests
-            (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
-    """
-
-    connect_timeout_s: _Seconds = 5.0
-    handshake_timeout_s: _Seconds = 5.0
-    reply_timeout_s: _Seconds = 10.0
-    chunk_timeout_s: _Seconds = 10.0
-    read_timeout_s: _Seconds = 120.0
-    heartbeat_s: _Seconds = 2.0
-    server_idle_timeout_s: _Seconds = 30.0
-    chunk_nbytes: _Positive = 16 << 20
-    window_chunks: _UpTo64 = 2
-    num_read_slots: _Positive = 4
-    num_serve_buffers: _Positive = 4
-    max_frame_nbytes: _Positive = 1 << 20
-    lease_s: _Seconds = 30.0
-    renew_every_s: _Seconds = 10.0
-    expire_every_s: _Seconds = 0.2
-    grant_wait_s: _Seconds = 2.0
-    direct_reads: bool = True
-    local_copy: bool = True
-    local_copy_min_nbytes: _PositiveOrOff = 8 << 20
-    copy_threads: _UpTo64 = 2
-    grant_board: bool = True
-    test_chunk_delay_s: _SecondsOrOff = 0.0
-
-    def __post_init__(self) -> None:
-        # msgspec checks types and bounds when it converts (from_options), not when
-        # a caller constructs by keyword: check every field here for both.
-        for name in self.__struct_fields__:
-            _check_field(name, getattr(self, name), strict=True)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], *, strict: bool = True) -> AgentConfig:
-        """The defaults with ``options`` applied, converted by ``msgspec.convert``.
-
-        Args:
-            options: Field name -> value, e.g. ``{"read_timeout_s": 30}``.
-            strict: False: also convert text, as given on a command line
-                (``"2.5"`` -> 2.5, ``"true"``/``"1"`` -> True).
-
-        Raises:
-            ConfigError: an unknown field, or a value of the wrong type or out
-                of bounds (the message names the field and the value).
-        """
-        unknown = sorted(set(options) - set(cls.__struct_fields__))
-        if unknown:
-            raise ConfigError(f"unknown AgentConfig field(s) {unknown}: known are "
-                              f"{sorted(cls.__struct_fields__)}")
-        for name, value in options.items():  # msgspec's own message names no value
-            _check_field(name, value, strict)
-        try:
-            return msgspec.convert(dict(options), cls, strict=strict)
-        except msgspec.ValidationError as exc:  # every field was checked: not expected
-            raise ConfigError(f"AgentConfig: {exc}") from None
-
-
-def _field_rules() -> dict[str, tuple[type, object, str]]:
-    """Per ``AgentConfig`` field: its plain type, its annotated type, and its bounds in words."""
-    rules: dict[str, tuple[type, object, str]] = {}
-    for info in msgspec.structs.fields(AgentConfig):
-        kind, *metas = typing.get_args(info.type) or (info.type,)
-        words = ["finite"] if kind is float else []
-        for meta in metas:
-            assert isinstance(meta, msgspec.Meta)
-            for op, bound in ((">", meta.gt), (">=", meta.ge), ("<=", meta.le)):
-                if bound is not None and bound != _FINITE_MAX:
-                    words.append(f"{op} {bound}")
-        rules[info.name] = (kind, info.type, " and ".join(words))
-    return rules
-
-
-_KIND_WORDS = {float: "a number", int: "an integer", bool: "a bool (true or false)"}
-
-
-def _check_field(name: str, value: object, strict: bool) -> None:
-    """Raise ``ConfigError`` unless ``value`` converts to field ``name``'s type and bounds."""
-    kind, annotated, bounds = _RULES[name]
-    try:
-        typed: object = msgspec.convert(value, kind, strict=strict)
-    except msgspec.ValidationError:
-        raise ConfigError(f"AgentConfig.{name}: {value!r} is not {_KIND_WORDS[kind]}") from None
-    try:
-        msgspec.convert(typed, annotated)
-    except msgspec.ValidationError:
-        raise ConfigError(f"AgentConfig.{name} must be {bounds}, got {value!r}") from None
-
-
-_RULES = _field_rules()
+from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.protocol import wire
 
 
 class LocalKV:

@@ -17,7 +17,7 @@ Conversation on one connection (reader R, server S)::
     S => R  chunk i < k on data channel (xfer_id, i) (raw bytes, no framing)
     R -> S  ReadDone(grant, reader id, ok)      (also sent by notify-only readers)
 
-Same host (``local_copy.py``; offered in ``AgentMetadata.host``)::
+Same host (``reading/same_host.py``; offered in ``AgentMetadata.host``)::
 
     R -> S  ReadRequest(..., direct, local_copy)
     S -> R  CopyGo(xfer_id, where the blocks are, hold_s)   or Reject(xfer_id, reason)
@@ -50,6 +50,7 @@ __all__ = [
     "AgentMetadata",
     "Bye",
     "Challenge",
+    "channel_of",
     "CopyDone",
     "CopyGo",
     "Credit",
@@ -84,6 +85,15 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
 Address = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 #: Plane addresses one CopyGo may carry (8 bytes each): 4096 layers' K and V.
 MAX_COPY_ORIGINS = 8192
+
+
+def channel_of(xfer_id: int, chunk: int) -> int:
+    """UCX channel of one data chunk: ``[xfer_id : 20][chunk : 16]``.
+
+    Both ends compute it: the server sends chunk ``chunk`` of read ``xfer_id``
+    on it, the reader posts that chunk's receive on it.
+    """
+    return (xfer_id << 16) | chunk
 
 
 class RejectReason(StrEnum):
@@ -140,7 +150,7 @@ class Hello(_Msg, tag="hello"):
 
 
 class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
-    """Who a server is on its host, for same-host copies (``local_copy.py``).
+    """Who a server is on its host, for same-host copies (``protocol/host.py``).
 
     A reader on the same host (same boot, same pid namespace) copies ``probe``
     from ``probe_address`` of process ``pid`` and compares before it trusts

@@ -1,4 +1,4 @@
-"""Same-host reads without the wire: the reader copies the server's blocks itself.
+"""Copying out of another process on this host: ``process_vm_readv`` for a same-host read.
 
 When a reader and the server of a link run on one host (same boot, same pid
 namespace), the kernel copies between their address spaces in one pass
@@ -7,46 +7,15 @@ transport uses). A read through UCX's shared memory costs two passes (the
 server copies into a FIFO, the reader out of it), both on the same cores; this
 costs one, and the reader splits it over ``AgentConfig.copy_threads`` threads.
 
-The server still decides what may be read: the reader asks as for any direct
-read, and the server checks the grant, pins it and answers ``CopyGo`` (where
-the read's blocks sit, and for how long it holds them: ``hold_s``). It unpins
-when the reader says ``CopyDone`` or when ``hold_s`` has passed. The reader
-keeps the bytes only if its copy ended within ``hold_s`` of sending the
-request (the server's hold started later), so it never keeps a block the
-server may have handed back to its engine::
+- ``CopySource``: a server process this reader may copy from, checked by its
+  probe (``protocol/host.py``) before it is trusted and after every copy; it
+  also reads the server's grant board (``protocol/grant_board.py``).
+- ``Copier`` / ``CopyRun``: one copy shared out in pieces over the loop thread
+  and helper threads.
 
-    reader: t0 send ReadRequest ........ copy ....... t1   keep iff t1 - t0 < hold_s
-    server:      recv, pin ----------------- hold_s ------------> unpin
-
-The copy need not wait for the go: a grant's blocks do not change from its
-issue (after the prefill wrote them, before D learns the token) to its release,
-so when an earlier go of the same shape (layers, heads) told where the blocks
-sit, the reader copies while the server checks, and keeps the bytes only if
-the go, when it comes, confirms the grant and the same place (``reader.py``).
-
-Who may copy from whom is settled on top of the handshake: the server offers a
-``wire.HostInfo`` (boot id, pid namespace, pid, the address and value of a
-random probe); the reader copies the probe and compares before it trusts the
-pid, and again after every copy (the pid could name another process by then).
-
-Asking costs a round trip through the server's loop, and on a busy host the
-server may wait for a core until the reader's own copy threads leave one. So
-the server also publishes its live grants on a *grant board* in its memory
-(``grant_board.py``): once a go of the read's shape told where the blocks sit,
-a reader that finds its grant on the board copies without asking at all, and
-keeps the bytes if the board still says the same after the copy (a sequence
-lock: the server takes a grant off before it hands its blocks back).
-
-Used for direct reads of ``AgentConfig.local_copy_min_nbytes`` (8 MiB) and
-more: below that, UCX's shared memory with both processes copying at once is as
-fast. Besides the speed, a copy costs the server's process no CPU per byte,
-where UCX's shared memory makes it copy every byte into its FIFO.
-
-Off (reads go through UCX) when ``AgentConfig.local_copy`` is False, when
-``KVBRIDGE_LOCAL_COPY=0``, when ``UCX_TLS`` leaves out UCX's shared-memory
-transports (an operator who asked for TCP asked for the network: the netns
-"hosts" of the tests are one host to the kernel), off Linux, and for caches
-not in host memory.
+The read strategy that uses them (asking the server, copying early, the
+board's word) is ``same_host.py``. A dead server is an ``ESRCH`` error here,
+never an abort (unlike UCX's own ``cma`` with peer error handling off).
 """
 
 from __future__ import annotations
@@ -57,87 +26,45 @@ import errno
 import logging
 import math
 import os
-import secrets
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from kvbridge.transfer import wire
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferError
-from kvbridge.transfer.grant_board import (
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.protocol.grant_board import (
     SLOT_NBYTES,
     WINDOW,
     BoardSpot,
-    GrantBoard,
     find_grant,
     home_slot,
     token_digest,
 )
+from kvbridge.transfer.protocol.host import host_identity
 
-__all__ = [
-    "ENV_SWITCH",
-    "CopyRefusedError",
-    "CopyRun",
-    "CopySource",
-    "Copier",
-    "ProbeCell",
-    "allowed",
-    "host_memory",
-]
+__all__ = ["Copier", "CopyRefusedError", "CopyRun", "CopySource", "IovArray"]
 
 logger = logging.getLogger(__name__)
 
-ENV_SWITCH = "KVBRIDGE_LOCAL_COPY"
 _IOV_MAX = 1024  # iovec entries per process_vm_readv call (Linux UIO_MAXIOV)
 _ROW_NBYTES = 16  # one struct iovec
-_PROBE_NBYTES = 16
 #: Below this many bytes per thread a copy is not split (a thread hop costs ~50 us).
 MIN_PART_NBYTES = 4 << 20
 # A piece a thread takes of a shared copy: few calls (~10 us each), a short tail.
 _MIN_PIECE_NBYTES = 4 << 20
 _MAX_PIECE_NBYTES = 8 << 20  # ~1 ms inside the kernel, where it is not preempted
 _LOOP_SLICE_S = 0.005  # the loop thread copies this long at most before it yields
-_UCX_SHM_TRANSPORTS = frozenset({"all", "sm", "shm", "cma", "posix", "sysv"})
 
 IovArray = npt.NDArray[np.uint64]  # struct iovec[n]: (address, length) rows
 
 
 class CopyRefusedError(TransferError):
     """The kernel would not let this process read the server's memory (EPERM)."""
-
-
-def allowed(enabled: bool) -> bool:
-    """Whether this process may use same-host copies at all (config, environment, OS)."""
-    if not enabled or sys.platform != "linux":
-        return False
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in {"0", "false", "no", "off"}:
-        return False
-    tls = os.environ.get("UCX_TLS", "").strip()
-    if not tls:
-        return True
-    names = {name.strip().lower() for name in tls.removeprefix("^").split(",")}
-    if tls.startswith("^"):  # an exclusion list
-        return not names & {"sm", "shm", "cma"}
-    return bool(names & _UCX_SHM_TRANSPORTS)
-
-
-def host_memory(tensors: list[torch.Tensor]) -> bool:
-    """True when every tensor lives in this process's host memory."""
-    return all(t.device.type == "cpu" for t in tensors)
-
-
-def _host_identity() -> tuple[str, str]:
-    """``(boot id, pid namespace)`` of this process: equal pairs share pids and a kernel."""
-    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    ns = os.stat("/proc/self/ns/pid")
-    return boot_id, f"{ns.st_dev}:{ns.st_ino}"
 
 
 def _bind_readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -155,29 +82,6 @@ def _bind_readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 _readv = _bind_readv() if sys.platform == "linux" else None
 
 
-class ProbeCell:
-    """The server's proof of identity: random bytes at an address it advertises."""
-
-    def __init__(self) -> None:
-        self._cell = np.frombuffer(bytearray(secrets.token_bytes(_PROBE_NBYTES)), dtype=np.uint8)
-
-    def host_info(self, board: GrantBoard | None = None) -> wire.HostInfo | None:
-        """What the handshake offers, or None where this host cannot say who it is.
-
-        ``board``: the server's grant board, offered with it.
-        """
-        try:
-            boot_id, pid_namespace = _host_identity()
-        except OSError as exc:
-            logger.info("no same-host copies: %s", exc)
-            return None
-        return wire.HostInfo(
-            boot_id, pid_namespace, os.getpid(), self._cell.ctypes.data, self._cell.tobytes(),
-            board_address=board.address if board is not None else 0,
-            board_slots=board.num_slots if board is not None else 0,
-        )
-
-
 class CopySource:
     """A server process this reader may copy from. Create with :meth:`open`."""
 
@@ -190,7 +94,7 @@ class CopySource:
         self._remote_iov = np.array([[info.probe_address, len(info.probe)], [0, 8]],
                                     dtype=np.uint64)
         self._iov_pointers = (self._got_iov.ctypes.data, self._remote_iov.ctypes.data)
-        # The grant board (``grant_board.py``), if the server offers one.
+        # The grant board (``protocol/grant_board.py``), if the server offers one.
         self.board_address, self.board_slots = info.board_address, info.board_slots
         self._window = np.zeros(WINDOW * SLOT_NBYTES, dtype=np.uint8)
         self._window_local = np.array([[self._window.ctypes.data, self._window.size]],
@@ -208,7 +112,7 @@ class CopySource:
         if info is None or _readv is None:
             return None
         try:
-            if (info.boot_id, info.pid_namespace) != _host_identity():
+            if (info.boot_id, info.pid_namespace) != host_identity():
                 return None  # another host (or pid namespace): the pid means nothing here
         except OSError:
             return None

@@ -1,8 +1,8 @@
 """Tagged UCX messages gathered from, or scattered into, lists of memory ranges.
 
-The direct read path (``server.py`` / ``reader.py``) sends a chunk of KV blocks
-as ONE tagged message whose bytes come straight from the server's cache blocks
-and land straight in the reader's cache blocks: UCX's IOV datatype walks both
+The direct read path (``serving/direct.py`` / ``reading/direct.py``) sends a
+chunk of KV blocks as ONE tagged message whose bytes come straight from the
+server's cache blocks and land straight in the reader's cache blocks: UCX's IOV datatype walks both
 lists, so no staging buffer, pack or unpack is involved. The two lists may cut
 the byte stream at different places; only the stream order and total length
 must agree::
@@ -25,21 +25,20 @@ import logging
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.transfer.ucp_lib import (
+from kvbridge.transfer.ucx.connection import TAG_MASK_FULL, UcxConnection
+from kvbridge.transfer.ucx.ucp_lib import (
     DATATYPE_IOV,
     OP_DATATYPE,
     RequestParam,
     UcpLibrary,
     UcpRequest,
 )
-from kvbridge.transfer.ucx import UcxConnection
 
 __all__ = ["Ranges", "iov_array", "post_recv_iov", "post_send_iov", "send_iov"]
 
 logger = logging.getLogger(__name__)
 
 Ranges = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]  # (addresses, lengths)
-_TAG_MASK_FULL = (1 << 64) - 1
 
 
 def iov_array(addresses: npt.ArrayLike, lengths: npt.ArrayLike) -> npt.NDArray[np.uint64]:
@@ -85,7 +84,7 @@ def post_recv_iov(
     nbytes = int(iov[:, 1].sum())
     tag = conn.incoming_tag(channel)
     value = lib.tag_recv_nbx(
-        conn.worker_handle, iov.ctypes.data, iov.shape[0], tag, _TAG_MASK_FULL,
+        conn.worker_handle, iov.ctypes.data, iov.shape[0], tag, TAG_MASK_FULL,
         ctypes.byref(_param()),
     )
     request = UcpRequest(lib, value, f"iov recv from {conn.peer}", nbytes)

@@ -1,6 +1,11 @@
 """The server's board of live grants, which a same-host reader checks for itself.
 
-A same-host copy (``local_copy.py``) needs the server's word that the grant is
+A protocol in memory rather than on the wire: the server writes the board
+(``GrantBoard``, kept by its grant table, ``serving/grants.py``), a reader on
+its host reads it (``find_grant``, through ``reading/copier.py``); both agree on
+the slot format below.
+
+A same-host copy (``reading/same_host.py``) needs the server's word that the grant is
 live and holds the read's blocks. Asked for (``CopyGo``), that word costs a
 round trip through the server's event loop, and on a busy host the server may
 wait for a core until the reader's own copy threads leave one. The board gives

@@ -1,10 +1,11 @@
-"""Asyncio layer over ucxx's low-level API: one UCX worker, its listener, connections.
+"""One UCX worker progressed by an asyncio loop: its context, listener and connects.
 
 Used only by the transfer agent, from the agent's own event-loop thread (every
 method must be called on that loop). It turns UCX requests into asyncio futures,
-puts a deadline on every network wait, maps UCX failures onto
-:mod:`kvbridge.transfer.errors` (ucxx's by their ``ucxx.exceptions`` type,
-libucp's by status code in ``ucp_lib``), and logs one debug line per operation.
+maps UCX failures onto :mod:`kvbridge.transfer.errors` (ucxx's by their
+``ucxx.exceptions`` type, libucp's by status code in ``ucp_lib``), and hands
+each connection it accepts or opens over as a :class:`UcxConnection`
+(``connection.py``: tags, sends, receives, control frames).
 
 Why the low-level API: endpoints here are created with UCX *peer error handling
 off*, because with it on UCX refuses shared memory / CMA zero-copy between
@@ -32,33 +33,23 @@ one does, for ever. Every ``_DRAIN_EVERY_S`` the driver receives and drops those
 that nothing will ask for (see ``_drain_stray``), so a peer sending junk tags
 cannot grow this process's memory.
 
-Tags are worker-global in UCX, so each connection end draws a random id and the
-two ends swap ids over the endpoint's stream channel on connect::
-
-    tag (64 bits) = [ receiver's connection id : 28 ][ channel : 36 ]
-    channel 0 carries control frames; the agent numbers data channels from 1.
-
-Control frames carry ``[payload nbytes : u32][crc32 : u32][payload]`` and are
-at most ``max_frame_nbytes``; a bigger, shorter or corrupted frame is a
-:class:`ProtocolError`.
+Why one module of ~450 lines: the progress driver, the stray drain, request
+tracking and connection ids all work on the worker's pending list and id set,
+which only this class may touch; the listener and connect add ~80 lines.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import random
-import struct
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import ucxx._lib.libucxx as ucx_api
 import ucxx.exceptions as ucx_exc
 from ucxx._lib.arr import Array
@@ -70,24 +61,24 @@ from kvbridge.transfer.errors import (
     ProtocolError,
     TransferError,
 )
-from kvbridge.transfer.ucp_lib import RequestParam, UcpLibrary, UcpRequest
+from kvbridge.transfer.ucx.connection import (
+    CHANNEL_BITS,
+    ID_BITS,
+    MAGIC,
+    MAX_CHANNEL,
+    UcxConnection,
+    ignore_outcome,
+)
+from kvbridge.transfer.ucx.ucp_lib import UcpLibrary, UcpRequest
 
-__all__ = ["MAX_CHANNEL", "SAFE_TLS", "UcxConnection", "UcxWorker"]
+__all__ = ["SAFE_TLS", "UcxWorker"]
 
 logger = logging.getLogger(__name__)
 
-_ID_BITS = 28
-_CHANNEL_BITS = 36
-MAX_CHANNEL = (1 << _CHANNEL_BITS) - 1
-_HELLO = struct.Struct("<8sQ")  # magic, connection id
-_MAGIC = b"KVBUCX01"
-_FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
 _DRAIN_EVERY_S = 0.25
 _BUSY_SLICE_S = 0.0002  # longest tight polling run while bulk data is in flight
 _MAX_DRAIN = 4096  # stray messages dropped per pass
 _SCRATCH_NBYTES = 64  # stray messages land here, truncated
-_TAG_MASK_FULL = (1 << 64) - 1
-_CONTIG = ctypes.byref(RequestParam(op_attr_mask=0))  # contiguous bytes, no callback
 #: Every transport but the cross-memory-attach ones. With peer error handling off
 #: (see above), a peer that dies while UCX copies its memory with
 #: process_vm_readv/writev (cma; knem and xpmem alike) makes UCX abort THIS
@@ -96,9 +87,7 @@ _CONTIG = ctypes.byref(RequestParam(op_attr_mask=0))  # contiguous bytes, no cal
 #: fast as cma for multi-MB messages on one host (docs/benchmarks.md).
 SAFE_TLS = "^cma,knem,xpmem"
 
-Bytes = npt.NDArray[np.uint8]
-ConnectHandler = Callable[["UcxConnection"], Awaitable[None]]
-
+ConnectHandler = Callable[[UcxConnection], Awaitable[None]]
 
 #: ucxx's exception types (``ucxx.exceptions``, one per UCS status) -> ours, first match.
 _UCX_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[TransferError], str], ...] = (
@@ -120,11 +109,6 @@ def _map_ucx_error(exc: Exception, what: str) -> TransferError:
         if isinstance(exc, kinds):
             return error(f"{what}: {text} ({type(exc).__name__}: {exc})")
     return TransferError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-def _ignore_outcome(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 @dataclass(slots=True)
@@ -285,7 +269,7 @@ class UcxWorker:
             if not head.matched:
                 break
             tag: int = head.sender_tag.value
-            if tag & MAX_CHANNEL == 0 and tag >> _CHANNEL_BITS in self._ids_in_use:
+            if tag & MAX_CHANNEL == 0 and tag >> CHANNEL_BITS in self._ids_in_use:
                 break
             taken = self._worker.tag_probe(head.sender_tag, ucx_api.UCXXTagMaskFull, remove=True)
             if not taken.matched:
@@ -293,7 +277,7 @@ class UcxWorker:
             scratch = Array(np.empty(_SCRATCH_NBYTES, dtype=np.uint8))
             request = self._worker.tag_recv_with_handle(scratch, taken)
             # truncated on purpose: the error is expected and not worth reporting
-            self.track(request, scratch, busy=False).add_done_callback(_ignore_outcome)
+            self.track(request, scratch, busy=False).add_done_callback(ignore_outcome)
             num_dropped += 1
         if num_dropped:
             self._num_stray_dropped += num_dropped
@@ -315,7 +299,13 @@ class UcxWorker:
             )
         empty = Array(np.zeros(0, dtype=np.uint8))
         request = self._self_endpoint.tag_send(empty, tag)
-        self.track(request, empty, busy=False).add_done_callback(_ignore_outcome)
+        self.track(request, empty, busy=False).add_done_callback(ignore_outcome)
+
+    @property
+    def handle(self) -> int:
+        """The ``ucp_worker_h`` (for libucp calls made outside ucxx)."""
+        handle: int = self._worker.handle
+        return handle
 
     @property
     def num_stray_dropped(self) -> int:
@@ -349,7 +339,7 @@ class UcxWorker:
     # ---------------------------------------------------------------- connections
     def _new_id(self) -> int:
         while True:
-            conn_id = random.getrandbits(_ID_BITS)
+            conn_id = random.getrandbits(ID_BITS)
             if conn_id and conn_id not in self._ids_in_use:
                 self._ids_in_use.add(conn_id)
                 return conn_id
@@ -405,7 +395,7 @@ class UcxWorker:
             logger.info("dropping incoming connection: %s", exc)
             conn.abort()
             return
-        if magic != _MAGIC or not 0 < remote_id < (1 << _ID_BITS):
+        if magic != MAGIC or not 0 < remote_id < (1 << ID_BITS):
             logger.info("dropping incoming connection: bad greeting %r/%#x", magic, remote_id)
             conn.abort()
             return
@@ -428,7 +418,7 @@ class UcxWorker:
         conn = UcxConnection(self, endpoint, f"{host}:{port}", self._new_id())
         try:
             magic, remote_id = await conn.swap_ids(listener_side=False, timeout_s=timeout_s)
-            if magic != _MAGIC or not 0 < remote_id < (1 << _ID_BITS):
+            if magic != MAGIC or not 0 < remote_id < (1 << ID_BITS):
                 raise ProtocolError(f"{host}:{port} is not a kvbridge agent (greeting {magic!r})")
         except PeerClosedError as exc:  # e.g. nobody listens there: never connected
             conn.abort()
@@ -464,229 +454,3 @@ class UcxWorker:
                 item.future.set_exception(PeerClosedError("UCX worker closed"))
         self._pending.clear()
 
-
-class UcxConnection:
-    """One UCX endpoint plus the tag ids both ends agreed on.
-
-    Attributes:
-        peer: human-readable peer name for logs.
-        local_id: id in the tags of messages sent TO this end.
-        remote_id: id in the tags of messages this end sends.
-    """
-
-    def __init__(self, worker: UcxWorker, endpoint: Any, peer: str, local_id: int) -> None:
-        self._worker = worker
-        self._endpoint = endpoint
-        self.peer = peer
-        self.local_id = local_id
-        self.remote_id = 0
-        self._closed = False
-        self._frame_buf: Bytes | None = None
-        self._recvs: list[tuple[Any, Any]] = []  # (tag, UCX request) of posted receives
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close`` or ``abort`` ran."""
-        return self._closed
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise PeerClosedError(f"{what} on closed connection to {self.peer}")
-
-    async def _wait(self, future: asyncio.Future[Any], timeout_s: float, what: str) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await future
-        except TimeoutError:
-            # The UCX request may still complete later into its buffer, and its tag
-            # sequence is now out of step: the connection cannot be used again.
-            self.abort()
-            raise PeerTimeoutError(
-                f"{what} to/from {self.peer}: no completion in {timeout_s}s"
-            ) from None
-
-    async def swap_ids(self, *, listener_side: bool, timeout_s: float) -> tuple[bytes, int]:
-        """Exchange connection ids over the stream channel (used by ``UcxWorker``)."""
-        mine = np.frombuffer(_HELLO.pack(_MAGIC, self.local_id), dtype=np.uint8).copy()
-        theirs = np.zeros(_HELLO.size, dtype=np.uint8)
-        steps = ("recv", "send") if listener_side else ("send", "recv")
-        for step in steps:
-            if step == "send":
-                arr = Array(mine)
-                request = self._endpoint.stream_send(arr)
-            else:
-                arr = Array(theirs)
-                request = self._endpoint.stream_recv(arr)
-            await self._wait(self._worker.track(request, arr, busy=False), timeout_s, "greeting")
-        magic, remote_id = _HELLO.unpack(theirs.tobytes())
-        return bytes(magic), int(remote_id)
-
-    def _tag(self, conn_id: int, channel: int) -> Any:
-        return ucx_api.UCXXTag(self._tag_value(conn_id, channel))
-
-    @staticmethod
-    def _tag_value(conn_id: int, channel: int) -> int:
-        if not 0 <= channel <= MAX_CHANNEL:
-            raise ValueError(f"channel {channel} outside [0, {MAX_CHANNEL}]")
-        return (conn_id << _CHANNEL_BITS) | channel
-
-    # Raw access for operations ucxx lacks (iov.py posts them through libucp).
-    def incoming_tag(self, channel: int) -> int:
-        """The 64-bit UCX tag of messages sent to this end on ``channel``."""
-        return self._tag_value(self.local_id, channel)
-
-    def outgoing_tag(self, channel: int) -> int:
-        """The 64-bit UCX tag of messages this end sends on ``channel``."""
-        return self._tag_value(self.remote_id, channel)
-
-    @property
-    def endpoint_handle(self) -> int:
-        """The ``ucp_ep_h`` (raises ``PeerClosedError`` once closed)."""
-        self._check_open("send")
-        handle: int = self._endpoint.handle
-        return handle
-
-    @property
-    def worker_handle(self) -> int:
-        """The ``ucp_worker_h`` of this connection's worker (raises once closed)."""
-        self._check_open("recv")
-        handle: int = self._worker._worker.handle
-        return handle
-
-    def track_send(self, request: Any, keep: object) -> asyncio.Future[None]:
-        """Future of a send posted outside this class; ``keep`` lives until it ends."""
-        return self._worker.track(request, keep, busy=True)
-
-    def track_recv(self, channel: int, request: Any, keep: object) -> asyncio.Future[None]:
-        """Like ``post_recv`` for a receive posted outside this class on ``channel``."""
-        self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
-        self._recvs.append((self._tag(self.local_id, channel), request))
-        return self._worker.track(request, keep, busy=True)
-
-    def cancel_recv(self, channel: int) -> None:
-        """End a posted receive nobody will send to (it completes with 0 bytes)."""
-        if not self._closed:
-            self._worker.complete_abandoned(self._tag(self.local_id, channel))
-
-    def post_send(self, buf: Bytes, channel: int, *, busy: bool = True) -> asyncio.Future[None]:
-        """Post a send of a contiguous uint8 buffer on ``channel``; return its future.
-
-        For callers that need not wait (a control frame whose answer, or whose
-        link's heartbeat, has its own deadline). ``buf`` is kept alive until the
-        send ends.
-
-        Raises:
-            PeerClosedError: the connection is closed.
-        """
-        self._check_open("send")
-        logger.debug("send peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
-        lib = self._worker.ucp
-        value = lib.tag_send_nbx(self._endpoint.handle, buf.ctypes.data, buf.nbytes,
-                                 self._tag_value(self.remote_id, channel), _CONTIG)
-        request = UcpRequest(lib, value, f"send to {self.peer}", None)
-        return self._worker.track(request, buf, busy=busy)
-
-    async def send(self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True) -> None:
-        """Send a contiguous uint8 buffer on ``channel``.
-
-        Raises:
-            PeerTimeoutError, PeerClosedError, TransferError: the send failed.
-        """
-        await self._wait(self.post_send(buf, channel, busy=busy), timeout_s, "send")
-
-    def post_recv(
-        self, buf: Bytes, channel: int, *, busy: bool = True, exact: bool = True
-    ) -> asyncio.Future[None]:
-        """Post a receive of exactly ``buf.nbytes`` bytes; await the result with ``wait``.
-
-        A message of any other length fails the future with ``ProtocolError``.
-        That includes the empty message ``abort`` sends to end the receives
-        still posted on this connection (``complete_abandoned``): unchecked, it
-        would look like data that arrived, and the buffer's old contents (a
-        staging buffer's last chunk: another request's KV) would be used as it.
-        ``exact=False`` accepts up to ``buf.nbytes`` (control frames, which
-        carry their own length and CRC).
-
-        The buffer belongs to UCX until the future resolves; if the caller gives
-        up waiting it must abort the connection and never reuse the buffer.
-        """
-        self._check_open("recv")
-        logger.debug("recv peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
-        lib = self._worker.ucp
-        value = lib.tag_recv_nbx(self.worker_handle, buf.ctypes.data, buf.nbytes,
-                                 self._tag_value(self.local_id, channel), _TAG_MASK_FULL, _CONTIG)
-        request = UcpRequest(lib, value, f"recv from {self.peer}", buf.nbytes if exact else None)
-        self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
-        self._recvs.append((self._tag(self.local_id, channel), request))
-        return self._worker.track(request, buf, busy=busy)
-
-    async def wait(self, future: asyncio.Future[Any], *, timeout_s: float, what: str) -> None:
-        """Await a posted operation with a deadline (raises ``PeerTimeoutError``)."""
-        await self._wait(future, timeout_s, what)
-
-    async def recv(
-        self, buf: Bytes, channel: int, *, timeout_s: float, busy: bool = True, exact: bool = True
-    ) -> None:
-        """Receive exactly ``buf.nbytes`` bytes on ``channel`` into ``buf`` (see ``post_recv``)."""
-        await self._wait(self.post_recv(buf, channel, busy=busy, exact=exact), timeout_s, "recv")
-
-    def post_frame(self, payload: bytes) -> asyncio.Future[None]:
-        """Post one control frame (length and CRC prepended) on channel 0; see ``post_send``."""
-        header = _FRAME_HEADER.pack(len(payload), zlib.crc32(payload))
-        frame = np.frombuffer(header + payload, dtype=np.uint8)
-        return self.post_send(frame, 0, busy=False)
-
-    async def send_frame(self, payload: bytes, *, timeout_s: float) -> None:
-        """Send one control frame (length and CRC prepended) on channel 0."""
-        await self._wait(self.post_frame(payload), timeout_s, "send")
-
-    async def recv_frame(self, *, max_nbytes: int, timeout_s: float) -> bytes:
-        """Receive one control frame on channel 0 and return its checked payload.
-
-        Raises:
-            ProtocolError: the frame is larger than ``max_nbytes``, truncated or corrupt.
-            PeerTimeoutError, PeerClosedError: nothing usable arrived in time.
-        """
-        if self._frame_buf is None or self._frame_buf.nbytes != max_nbytes + _FRAME_HEADER.size:
-            self._frame_buf = np.empty(max_nbytes + _FRAME_HEADER.size, dtype=np.uint8)
-        buf = self._frame_buf
-        buf[: _FRAME_HEADER.size] = 0
-        await self.recv(buf, 0, timeout_s=timeout_s, busy=False, exact=False)
-        nbytes, crc = _FRAME_HEADER.unpack(buf[: _FRAME_HEADER.size].tobytes())
-        if nbytes > max_nbytes:
-            raise ProtocolError(f"frame from {self.peer} claims {nbytes} bytes > {max_nbytes}")
-        payload = buf[_FRAME_HEADER.size : _FRAME_HEADER.size + nbytes].tobytes()
-        if zlib.crc32(payload) != crc:
-            raise ProtocolError(f"frame from {self.peer} of {nbytes} bytes fails its CRC")
-        return payload
-
-    def stop_spinning(self) -> None:
-        """Nothing is due here soon: let the worker sleep at once (``UcxWorker.stop_spinning``)."""
-        self._worker.stop_spinning()
-
-    def abort(self) -> None:
-        """Close the endpoint now; in-flight operations fail. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        logger.debug("abort peer=%s id=%#x", self.peer, self.local_id)
-        try:
-            self._endpoint.close()
-        except Exception as exc:  # ucxx raises its own untyped hierarchy
-            logger.debug("closing endpoint to %s: %s", self.peer, exc)
-        for tag, request in self._recvs:  # else they stay posted, buffers and all
-            if not request.completed:
-                self._worker.complete_abandoned(tag)
-        self._recvs.clear()
-        self._worker.release_id(self.local_id)
-
-    async def close(self, goodbye: bytes | None = None, *, timeout_s: float = 1.0) -> None:
-        """Gracefully close: optionally send a last control frame, then close. Idempotent."""
-        if self._closed:
-            return
-        if goodbye is not None:
-            try:
-                await self.send_frame(goodbye, timeout_s=timeout_s)
-            except TransferError as exc:
-                logger.debug("goodbye to %s not delivered: %s", self.peer, exc)
-        self.abort()

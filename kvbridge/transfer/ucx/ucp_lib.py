@@ -6,9 +6,9 @@ call releases the GIL (``CDLL``): it may wait for the worker's lock, which
 UCX's own thread can hold while it calls into Python (ucxx's listener
 callback) — holding the GIL here would deadlock the process.
 
-Shared by :mod:`kvbridge.transfer.iov` (tagged messages gathered from / scattered into
-lists of memory ranges) and :mod:`kvbridge.transfer.ucx` (tagged control
-frames, progress). Every function here runs on the handles ucxx created, in the
+Shared by :mod:`.iov` (tagged messages gathered from / scattered into lists of
+memory ranges), :mod:`.connection` (tagged sends, receives, control frames) and
+:mod:`.worker` (progress). Every function here runs on the handles ucxx created, in the
 same libucp ucxx loaded.
 
 The structs below are written by hand from UCX's headers, which ctypes cannot
@@ -123,7 +123,7 @@ def check_ucp_version(
         raise ConfigError(
             f"libucp {'.'.join(map(str, found))} is outside [{low[0]}.{low[1]}, "
             f"{high[0]}.{high[1]}), the versions kvbridge's hand-written libucp structs "
-            f"(kvbridge/transfer/ucp_lib.py) were written for: install a libucx-cu12 in that "
+            f"(kvbridge/transfer/ucx/ucp_lib.py) were written for: install a libucx-cu12 in that "
             f"range (the one the pinned ucxx-cu12 asks for), or check the structs against the "
             f"new ucp.h and widen SUPPORTED_UCP"
         )

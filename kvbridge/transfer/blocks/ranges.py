@@ -3,7 +3,7 @@
 When both ends store blocks the same way (layout, block size, element size,
 head dim) and the heads a read moves form one contiguous run inside each K or
 V plane of a block, the server can send block memory as it is and the reader
-can receive it straight into its own blocks (``iov.py``). Both ends list the
+can receive it straight into its own blocks (``ucx/iov.py``). Both ends list the
 ranges in the same order, so the byte streams line up::
 
     for each layer of the read: for K then V (MLA, fused K/V: the one plane):
@@ -16,8 +16,10 @@ ranges in the same order, so the byte streams line up::
 A fused K/V cache (vLLM CPU) has one plane per layer, HND: each head's
 ``K^T | V`` is one run, so any head slice reads direct.
 
-Used by ``reader.py`` (decides, builds its receive ranges) and ``server.py``
-(re-checks on its side, builds its send ranges).
+Used by the reading side (``reading/strategy.py`` decides, ``reading/direct.py``
+and ``reading/same_host.py`` build the receive or copy ranges) and the serving
+side (``serving/checks.py`` re-checks, ``serving/direct.py`` and
+``serving/copy_hold.py`` build the send ranges and the go).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.layout import KVLayout
-from kvbridge.transfer.config import LocalKV
-from kvbridge.transfer.iov import iov_array
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.local_kv import LocalKV
+from kvbridge.transfer.ucx.iov import iov_array
 
 __all__ = [
-    "MAX_RANGES_PER_CHUNK", "HeadSpan", "block_ranges", "head_span", "num_planes", "plane_ranges",
+    "MAX_RANGES_PER_CHUNK", "HeadSpan", "block_offsets", "block_ranges", "head_span",
+    "num_planes", "plane_ranges",
 ]
 
 #: Ranges one data message may list (before merging adjacent ones).

@@ -1,8 +1,8 @@
 """Both halves of the connection handshake, plus framed message send/receive.
 
-The server side (``serve_handshake``) is run by ``server.py`` on every accepted
-connection, the reader side (``reader_handshake``) by ``reader.py`` on every new
-link. Conversation (see ``wire.py``)::
+The server side (``serve_handshake``) is run by ``serving/session.py`` on every
+accepted connection, the reader side (``reader_handshake``) by
+``reading/link.py`` on every new link. Conversation (see ``wire.py``)::
 
     S -> R  Challenge(server nonce, version)
     R -> S  Hello(engine id, rank, version, compat hash, reader nonce,
@@ -12,7 +12,7 @@ link. Conversation (see ``wire.py``)::
     R       checks the server's proof (a server without the secret is dropped)
 
 ``ctx`` binds a proof to the direction and to both (engine id, rank) pairs
-(:func:`kvbridge.transfer.security.handshake_context`).
+(:func:`kvbridge.transfer.protocol.security.handshake_context`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvbridge.transfer import security, wire
 from kvbridge.transfer.errors import ProtocolError, RejectedError, TransferError
-from kvbridge.transfer.ucx import UcxConnection
+from kvbridge.transfer.protocol import security, wire
+from kvbridge.transfer.ucx.connection import UcxConnection
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ a release that happens meanwhile is deferred until the last pinned read ends, so
 P never frees blocks that UCX is still sending from. With a grant board attached
 (``attach_board``), live grants are also published there for same-host readers,
 and taken off when their release is decided, before the blocks can be freed
-(``grant_board.py``).
+(``protocol/grant_board.py``).
 
 Lifecycle of one grant::
 
@@ -51,10 +51,14 @@ Thread safety: every public method takes one internal lock and does no I/O and
 no callbacks under it (``on_release`` runs after it is let go), so the agent's
 event loop thread and the connector's thread may both call the table.
 
+Why one module of ~670 lines: one class under one lock, whose invariants
+(``check_integrity``) span every method; its error and record types are the
+vocabulary of those methods. Split, each half would need the other's locking.
+
 Example::
 
     from kvbridge.transfer.clock import MonotonicClock
-    from kvbridge.transfer.grants import GrantTable
+    from kvbridge.transfer.serving.grants import GrantTable
 
     table = GrantTable(MonotonicClock(), default_lease_s=30.0, max_lease_s=120.0)
     grant = table.issue("req-1", block_ids=[4, 9, 2], num_expected_readers=2)
@@ -83,7 +87,7 @@ from typing import Literal
 
 from kvbridge.errors import ConfigError, IntegrityError, KVBridgeError
 from kvbridge.transfer.clock import Clock
-from kvbridge.transfer.grant_board import GrantBoard
+from kvbridge.transfer.protocol.grant_board import GrantBoard
 
 ReleaseReason = Literal["done", "expired", "revoked"]
 

@@ -29,8 +29,8 @@ server_engine_id, server_rank)``.
 
 Example::
 
-    from kvbridge.layout import KVLayout
-    from kvbridge.transfer import security as sec
+    from kvbridge.topology import KVLayout
+    from kvbridge.transfer.protocol import security as sec
 
     secret = sec.load_cluster_secret()                  # bytes | None
     nonce = sec.make_nonce()
@@ -61,7 +61,7 @@ from typing import Literal
 import numpy as np
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.topology import KVLayout
 
 logger = logging.getLogger(__name__)
 

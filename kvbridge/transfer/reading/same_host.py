@@ -1,0 +1,286 @@
+"""The same-host copy: we copy the server's blocks out of its memory ourselves.
+
+For direct reads (``direct.py``'s conditions) of ``AgentConfig.local_copy_min_nbytes``
+(8 MiB) and more from a server on this host that offered it (``protocol/host.py``):
+below that size, UCX's shared memory with both processes copying at once is as
+fast. Besides the speed, a copy costs the server's process no CPU per byte,
+where UCX's shared memory makes it copy every byte into its FIFO. The copy
+itself is ``copier.py``'s.
+
+The server still decides what may be read: the reader asks as for any direct
+read, and the server checks the grant, pins it and answers ``CopyGo`` (where
+the read's blocks sit, and for how long it holds them: ``hold_s``). It unpins
+when the reader says ``CopyDone`` or when ``hold_s`` has passed. The reader
+keeps the bytes only if its copy ended within ``hold_s`` of sending the
+request (the server's hold started later), so it never keeps a block the
+server may have handed back to its engine::
+
+    reader: t0 send ReadRequest ........ copy ....... t1   keep iff t1 - t0 < hold_s
+    server:      recv, pin ----------------- hold_s ------------> unpin
+
+Early variant: the copy need not wait for the go. A grant's blocks do not
+change from its issue (after the prefill wrote them, before D learns the token)
+to its release, so when an earlier go of the same shape (layers, heads) told
+where the blocks sit, the reader copies while the server checks, and keeps the
+bytes only if the go, when it comes, confirms the grant and the same place.
+
+Without asking: a round trip through the server's loop costs time, and on a
+busy host the server may wait for a core until the reader's own copy threads
+leave one. So the server also publishes its live grants on a *grant board* in
+its memory (``protocol/grant_board.py``): once a go of the read's shape told
+where the blocks sit, a reader that finds its grant on the board copies without
+asking at all, and keeps the bytes if the board still says the same after the
+copy (a sequence lock: the server takes a grant off before it hands its blocks
+back). The serving half is ``serving/copy_hold.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbridge.transfer.blocks.ranges import HeadSpan, block_offsets, num_planes, plane_ranges
+from kvbridge.transfer.errors import (
+    PeerClosedError,
+    PeerTimeoutError,
+    ProtocolError,
+    RejectedError,
+    TransferError,
+)
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.protocol.grant_board import BoardSpot
+from kvbridge.transfer.reading.copier import Copier, CopyRefusedError, CopyRun, CopySource, IovArray
+from kvbridge.transfer.reading.direct import direct_request
+from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReadSetup
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.reading.link import PeerLink
+
+__all__ = ["SameHostCopy", "SameHostPeer"]
+
+CopyShape = tuple[int, int, int, int]  # layers and heads of a read (``_copy_shape``)
+
+
+@dataclass(slots=True)
+class SameHostPeer:
+    """A link's server as a process on this host we may copy from (one per link)."""
+
+    source: CopySource
+    gos: dict[CopyShape, wire.CopyGo] = field(default_factory=dict)  # the last, by shape
+
+    @classmethod
+    def open(cls, info: wire.HostInfo | None, peer: str) -> SameHostPeer | None:
+        """The server offering ``info`` if we can copy from it, else None (see ``CopySource``)."""
+        source = CopySource.open(info, peer)
+        return cls(source) if source is not None else None
+
+
+class SameHostCopy(BegunRead):
+    """A same-host copy asked for: the go to wait for, and what to copy into."""
+
+    def __init__(
+        self, link: PeerLink, setup: ReadSetup, peer: SameHostPeer, local_iov: IovArray,
+        span: HeadSpan, result: ItemResult, guess: wire.CopyGo | None,
+    ) -> None:
+        super().__init__(link, setup)
+        self.key = ("data", setup.request.xfer_id)  # of the reply in the link's waiters
+        self.reply: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self.started = time.monotonic()  # before the request was sent
+        self.peer = peer
+        self.source = peer.source
+        self.local_iov = local_iov
+        self.span = span
+        self.result = result
+        self.guess = guess  # an earlier go of this shape, copied from early
+        self.early: CopyRun | None = None  # that copy, started by ``begin``
+        self.spot: BoardSpot | None = None  # where the board said yes: copied without asking
+        self.answered = False  # the server pinned the grant for us: say CopyDone
+
+    @classmethod
+    def begin(cls, link: PeerLink, setup: ReadSetup) -> SameHostCopy:
+        """Start a same-host copy: on the board's word, or asked for (at once if we can).
+
+        Where an earlier go of this shape (layers, heads) told where the blocks
+        sit, the copy starts now: without asking at all if the server's grant
+        board says the grant is live and holds the blocks, else while the server
+        checks, since the blocks of a grant it is about to confirm have not
+        changed since the grant was issued (they change only after its
+        release): such a copy is kept if the go places the blocks where it
+        copied from (``finish``).
+        """
+        ctx, item, span, peer = link.ctx, setup.item, setup.span, link.same_host
+        assert span is not None and peer is not None and ctx.copier is not None
+        nbytes = setup.direct_nbytes(ctx.local)
+        request = direct_request(ctx, setup.request, item, local_copy=True)
+        setup.request = request
+        ids = np.asarray(setup.direct_block_ids, dtype=np.int64)
+        layers = slice(item.local_layers.start, item.local_layers.stop)
+        offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
+        local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
+        result = ItemResult(nbytes, 3, direct=True, local_copy=True)
+        guess = peer.gos.get(_copy_shape(request))
+        copy = cls(link, setup, peer, local_iov, span, result, guess)
+        source = copy.source
+        if guess is not None:
+            copy.spot = source.find_grant(request.grant, request.block_ids,
+                                          request.prompt_digest, guess.place)
+            if copy.spot is not None:
+                copy.early = ctx.copier.start(source, local_iov, copy._remote_ranges(guess))
+                return copy
+        # Ask first, unless helper threads can start copying while we ask.
+        ask_first = guess is None or ctx.copier.num_parts(nbytes) == 1
+        link.claim(copy.key, copy.reply)
+        try:
+            if ask_first:
+                link.post(request)
+            if guess is not None:
+                copy.early = ctx.copier.start(
+                    source, local_iov, copy._remote_ranges(guess),
+                    meanwhile=None if ask_first else lambda: link.post(request),
+                )
+        except BaseException:
+            link.forget(copy.key, copy.reply)
+            raise
+        return copy
+
+    def finished_now(self) -> ItemResult | None:
+        """The result if ``begin`` copied it whole on the board's word (still valid)."""
+        if self.spot is None or self.early is None or not self.early.exhausted:
+            return None
+        self.early.wait_idle()
+        try:
+            if self.early.error is not None or not self.source.check(self.spot):
+                return None
+        except TransferError:
+            return None
+        self.early = None
+        self.result.unasked = True
+        return self.result
+
+    async def finish(self) -> ItemResult:
+        """Finish the early copy or copy after the go; check the hold; say ``CopyDone``.
+
+        A copy on the board's word is kept if the board still says the same
+        after it (else the server is asked). The bytes of an early copy are kept
+        only if the go places the blocks where it copied from; nothing else is
+        kept without a go.
+        """
+        link = self.link
+        copier = link.ctx.copier
+        assert copier is not None
+        ok = False
+        try:
+            copied = None
+            if self.early is not None:
+                with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
+                    early, self.early = self.early, None
+                    if early.helpers:  # our helpers copy on: spinning would take their core
+                        link.conn.stop_spinning()
+                    if await copier.finish(early, self.spot):
+                        copied = self.guess
+            if self.spot is not None:
+                if copied is not None:
+                    ok = True
+                    self.result.unasked = True
+                    return self.result
+                self._ask()  # the grant changed meanwhile, or the copy failed
+            go = await self._copy_go()
+            if copied is None or _place(go) != _place(copied):  # new shape, or blocks moved
+                await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
+            took_s = time.monotonic() - self.started
+            if took_s >= go.hold_s:  # the server may have handed the blocks back
+                raise PeerTimeoutError(f"same-host copy from {link.peer} took "
+                                       f"{took_s:.3f}s, past the server's hold of {go.hold_s}s")
+            self.peer.gos[_copy_shape(self.request)] = go
+            ok = True
+        except CopyRefusedError:
+            link.drop_same_host()  # the kernel said no: this link reads through UCX now
+            raise
+        except (PeerClosedError, ProtocolError) as exc:
+            link.fail(exc)
+            raise
+        finally:
+            if self.spot is None:
+                link.forget(self.key, self.reply)
+                # After the outcome is recorded (a few returns up). Also when we gave
+                # up before the go came: it may still come, pinning the grant until
+                # its hold.
+                if self.answered or not ok:
+                    asyncio.get_running_loop().call_soon(
+                        link.post_quietly, wire.CopyDone(self.request.xfer_id, ok))
+        return self.result
+
+    def abandon(self) -> None:
+        if self.early is not None:
+            Copier.abandon(self.early)  # it writes into our blocks: wait for it
+        if self.link.forget(self.key, self.reply):
+            # the server may unpin at once
+            self.link.post_quietly(wire.CopyDone(self.request.xfer_id, False))
+
+    def _ask(self) -> None:
+        """Ask the server after all (the board's word did not hold)."""
+        link = self.link
+        link.claim(self.key, self.reply)
+        self.spot = None
+        self.started = time.monotonic()
+        try:
+            link.post(self.request)
+        except BaseException:
+            link.forget(self.key, self.reply)
+            raise
+
+    async def _copy_go(self) -> wire.CopyGo:
+        """The server's go (its copy-only fields checked).
+
+        Raises:
+            RejectedError: the server refused (nothing is pinned).
+            PeerTimeoutError: no answer in time (the link is failed).
+            ProtocolError: not a go, or one that does not fit the request.
+        """
+        link = self.link
+        try:
+            async with asyncio.timeout(link.ctx.config.reply_timeout_s):
+                reply = await self.reply
+        except TimeoutError:
+            raise link.fail(PeerTimeoutError(
+                f"no answer to a same-host copy from {link.peer}")) from None
+        if isinstance(reply, wire.Reject):
+            raise RejectedError(reply.reason, reply.message)
+        self.answered = True
+        if not isinstance(reply, wire.CopyGo):
+            raise ProtocolError(f"unexpected {type(reply).__name__} for a same-host copy")
+        self._check_go(reply)
+        return reply
+
+    def _check_go(self, go: wire.CopyGo) -> None:
+        """Raise ``ProtocolError`` unless ``go`` fits the read we asked for."""
+        req = self.request
+        num_origins = (req.layer_end - req.layer_start) * num_planes(self.link.ctx.local)
+        if len(go.origins) != 8 * num_origins or go.span_nbytes != self.span.nbytes:
+            raise ProtocolError(
+                f"copy go for {len(go.origins) // 8} planes of {go.span_nbytes}-byte spans, "
+                f"asked for {num_origins} of {self.span.nbytes}"
+            )
+
+    def _remote_ranges(self, go: wire.CopyGo) -> IovArray:
+        """The server's ranges for this copy per ``go`` (checked), row for row with ours."""
+        req = self.request
+        origins = np.frombuffer(go.origins, dtype=np.uint64)
+        offsets = block_offsets(np.asarray(req.block_ids, dtype=np.int64), go.block_stride,
+                                go.span_offset)
+        return plane_ranges(origins, offsets, go.span_nbytes)
+
+
+def _place(go: wire.CopyGo) -> tuple[bytes, int, int, int]:
+    """Where a go says the blocks are (all of it but the read's id and hold)."""
+    return go.origins, go.block_stride, go.span_offset, go.span_nbytes
+
+
+def _copy_shape(req: wire.ReadRequest) -> CopyShape:
+    """What a go's fields depend on besides the server's memory: layers and heads."""
+    return req.layer_start, req.layer_end, req.head_start, req.head_end

@@ -1,0 +1,238 @@
+"""The serving half of a transfer agent: one session per accepted connection.
+
+``serve_connection`` is the listener's connect handler (``agent.py`` passes it to
+``UcxWorker.listen``). A session handshakes, then dispatches control messages
+until the reader leaves, goes silent, or misbehaves. Any bad message ends only
+that session (logged, typed ``Reject`` when there is something useful to say);
+the agent goes on serving everyone else.
+
+Serving one read (``ReadRequest`` with a grant)::
+
+    check heads/layers/chunking (checks.py) -> wait (<= grant_wait_s) for a grant
+    not issued yet -> fix its reader count from the Hello's topology
+    -> grants.begin_read (pins it) -> send, one way of three:
+         staged.py      DataHeader, then per credited chunk: pack, send
+         direct.py      every chunk straight from the cache blocks
+         copy_hold.py   CopyGo: the reader on this host copies the blocks itself
+    -> grants.end_read
+
+A direct read or same-host copy of a grant already issued, the usual case, is
+served without a task: the dispatcher checks it and starts it as it decodes the
+request (``_start_at_once``); callbacks unpin the grant when it ends. Anything
+else (a staged read, a grant to wait for, a problem to reject, the test delay)
+runs in a task (``_serve_read``), which checks everything again and answers.
+
+The token a reader names is the grant table's own key (the engine's token is
+issued as is, ``GrantTable.issue(token=...)``): no second namespace to map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.protocol.handshake import recv_msg, reject, send_msg, serve_handshake
+from kvbridge.transfer.serving import grants as grant_errors
+from kvbridge.transfer.serving.checks import grant_reason, num_chunks, pin, problem
+from kvbridge.transfer.serving.context import (
+    ReadCredit,
+    ServerContext,
+    Session,
+    await_grant,
+    expected_readers,
+    fix_readers,
+)
+from kvbridge.transfer.serving.copy_hold import CopyHold
+from kvbridge.transfer.serving.direct import DirectSends, send_direct
+from kvbridge.transfer.serving.staged import send_chunks
+from kvbridge.transfer.ucx.connection import UcxConnection
+
+__all__ = ["serve_connection"]
+
+logger = logging.getLogger(__name__)
+
+R = wire.RejectReason
+
+
+async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
+    """Run one session to its end; never raises (failures are logged)."""
+    session = Session()
+    ctx.sessions.add(session)
+    ctx.num_sessions_total += 1
+    reads, tasks = session.reads, session.tasks
+    cfg = ctx.config
+    try:
+        metadata = ctx.local.metadata(ctx.me.engine_id, None, ctx.host)
+        hello = await serve_handshake(
+            conn, ctx.codec, ctx.me, metadata,
+            max_nbytes=cfg.max_frame_nbytes, timeout_s=cfg.handshake_timeout_s,
+        )
+        if hello is None:
+            return
+        try:
+            num_readers = expected_readers(ctx, hello)
+        except ConfigError as exc:
+            await reject(conn, ctx.codec, R.BAD_REQUEST, str(exc))
+            return
+        logger.debug("session with %s rank %d on %s (%d readers)", hello.engine_id,
+                     hello.rank, conn.peer, num_readers)
+        while True:
+            msg = await recv_msg(conn, ctx.codec, cfg.max_frame_nbytes, cfg.server_idle_timeout_s)
+            match msg:
+                case wire.ReadRequest():
+                    if msg.xfer_id in reads:
+                        raise ProtocolError(f"xfer id {msg.xfer_id} reused while in flight")
+                    reads[msg.xfer_id] = ReadCredit()
+                    if not _start_at_once(ctx, conn, msg, session, num_readers):
+                        task = asyncio.create_task(
+                            _serve_read(ctx, conn, msg, session, num_readers)
+                        )
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                case wire.Credit(xfer_id=xfer_id, num_chunks=credited):
+                    if xfer_id in reads:  # else: a read that already failed
+                        reads[xfer_id].grant_credit(credited)
+                case wire.CopyDone(xfer_id=xfer_id, ok=ok):
+                    hold = session.holds.get(xfer_id)
+                    if hold is not None:  # else: its hold already ended
+                        hold.end(served=ok)
+                case wire.ReadDone(grant=token, reader_id=reader_id, ok=ok):
+                    if msg.copied_nbytes:  # a copy on the board's word: counted only
+                        ctx.num_board_copies += 1
+                        ctx.num_reads_served += 1
+                        ctx.num_bytes_served += msg.copied_nbytes
+                    # Not cancelled with the session: a reader may say goodbye right
+                    # after its report, and the report must still count.
+                    report = asyncio.create_task(
+                        _reader_done(ctx, token, reader_id, ok, num_readers)
+                    )
+                    ctx.reports.add(report)
+                    report.add_done_callback(ctx.reports.discard)
+                case wire.RenewLease(grant=token, lease_s=lease_s, xfer_id=xfer_id):
+                    await _renew(ctx, conn, token, lease_s, xfer_id)
+                case wire.Ping(seq=seq):
+                    await send_msg(conn, ctx.codec, wire.Pong(seq), cfg.reply_timeout_s)
+                case wire.Bye():
+                    return
+                case _:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from a reader")
+    except ProtocolError as exc:
+        logger.warning("dropping %s: %s", conn.peer, exc)
+        await reject(conn, ctx.codec, R.BAD_REQUEST, str(exc))
+    except TransferError as exc:
+        logger.info("session with %s ended: %s", conn.peer, exc)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        conn.abort()
+        ctx.sessions.discard(session)
+
+
+async def _reader_done(
+    ctx: ServerContext, token: str, reader_id: str, ok: bool, num_readers: int
+) -> None:
+    await await_grant(ctx, token, num_readers)
+    try:
+        if ok:
+            ctx.grants.reader_done(token, reader_id)
+        else:
+            ctx.grants.reader_failed(token, reader_id)
+    except grant_errors.GrantError as exc:  # e.g. a long-forgotten grant: nothing to do
+        logger.info("done report from %s ignored: %s", reader_id, exc)
+
+
+async def _renew(
+    ctx: ServerContext, conn: UcxConnection, token: str, lease_s: float, xfer_id: int
+) -> None:
+    """Renew ``token`` for the reader's read ``xfer_id``; the answer names that read.
+
+    A refusal (grant unknown, expired or being released) fails that read alone
+    on the reader's side, never the connection (``Reject(renewal=True)``).
+    """
+    try:
+        expires_at = ctx.grants.renew(token, lease_s)
+    except grant_errors.GrantError as exc:
+        await reject(conn, ctx.codec, grant_reason(exc), str(exc), xfer_id, renewal=True)
+        return
+    remaining = max(0.0, expires_at - ctx.clock.now())
+    reply = wire.LeaseRenewed(token, remaining, xfer_id)
+    await send_msg(conn, ctx.codec, reply, ctx.config.reply_timeout_s)
+
+
+async def _serve_read(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, session: Session,
+    num_readers: int,
+) -> None:
+    reads = session.reads
+    bad = problem(ctx, req)
+    if bad is not None:
+        reads.pop(req.xfer_id, None)
+        await reject(conn, ctx.codec, R.BAD_REQUEST, bad, req.xfer_id)
+        return
+    token = req.grant
+    await await_grant(ctx, token, num_readers)
+    refusal = pin(ctx, token, req)
+    if refusal is not None:
+        reads.pop(req.xfer_id, None)
+        if refusal[0] is R.PROMPT_MISMATCH:
+            logger.warning("read %d from %s names another prompt than its grant", req.xfer_id,
+                           conn.peer)
+        await reject(conn, ctx.codec, *refusal, req.xfer_id)
+        return
+    if req.local_copy:
+        try:
+            if ctx.config.test_chunk_delay_s:  # test-only knob (see AgentConfig)
+                await asyncio.sleep(ctx.config.test_chunk_delay_s * num_chunks(req))
+        except BaseException:
+            ctx.grants.end_read(token)
+            reads.pop(req.xfer_id, None)
+            raise
+        CopyHold(ctx, conn, req, token, session)
+        return
+    try:
+        if req.direct:
+            await send_direct(ctx, conn, req)
+        else:
+            await send_chunks(ctx, conn, req, reads[req.xfer_id])
+        ctx.num_reads_served += 1
+    except TransferError as exc:
+        logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
+        conn.abort()  # the reader may hold posted receives for chunks we never send
+    finally:
+        ctx.grants.end_read(token)
+        reads.pop(req.xfer_id, None)
+
+
+def _start_at_once(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, session: Session,
+    num_readers: int,
+) -> bool:
+    """Serve a direct read at once, without a task, if nothing about it needs waiting.
+
+    The common case: a good request naming a grant this table already knows.
+    Posts every chunk now and finishes in ``DirectSends`` callbacks (a
+    same-host copy: answers ``CopyGo`` and pins in a ``CopyHold``). Returns
+    False, with nothing pinned (at most the grant's reader count fixed, as
+    ``_serve_read`` would), when ``_serve_read`` must take the request (not
+    direct, a test delay, a problem to reject, a grant to wait for or to
+    refuse); that path checks everything again and answers.
+    """
+    if not req.direct or ctx.config.test_chunk_delay_s:
+        return False
+    if problem(ctx, req) is not None:
+        return False
+    token = req.grant
+    if not ctx.grants.is_known(token):
+        return False
+    fix_readers(ctx, token, num_readers)
+    if pin(ctx, token, req) is not None:
+        return False
+    if req.local_copy:
+        CopyHold(ctx, conn, req, token, session)
+    else:
+        DirectSends(ctx, conn, req, token, session.reads)
+    return True
