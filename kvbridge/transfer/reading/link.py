@@ -20,6 +20,10 @@ and from then on only drives it through the interface they share
 (``strategy.BegunRead``: begin, finish or abandon). Strategies use the link's
 messaging (``send``, ``post``, ``request``, ``expect``, ``claim``, ``forget``,
 ``fail``) and nothing else of it.
+
+A little over 400 lines: the dispatcher, the waiters and the messaging the
+strategies use share the link's state (its waiters, its death); split, each
+part would reach into the other's.
 """
 
 from __future__ import annotations

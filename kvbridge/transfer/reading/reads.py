@@ -23,6 +23,9 @@ from a peer after the first, with TP alike or D's TP a multiple of P's),
 ``submit`` begins that read on the spot: receives posted and request sent
 before the job's task first runs; the task only awaits it.
 
+A little over 400 lines: one class owning the links, the jobs in flight and
+their outcomes, whose methods all work on that one state.
+
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
 
