@@ -11,6 +11,8 @@ does with the connector, not a copy of it. Used by ``test_scheduler.py`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connector.params import KVTransferParams
@@ -27,6 +29,20 @@ from tests.connector.harness import DTYPE, HASH_SEED
 from tests.waiting import wait_until
 
 NOW = 1_800_000_000.0  # the connectors' wall clock
+
+
+@dataclass(frozen=True)
+class Req:
+    """An engine request as ``ConnectorRequest`` sees it."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    kv_transfer_params: KVTransferParams | None = None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 TOKENS = list(range(500, 600))
 
 

@@ -6,30 +6,12 @@ these tests pin the part's own contract (what it queues, counts and returns).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.held_grants import HeldGrants
-from kvbridge.connector.params import KVTransferParams
 from kvbridge.topology import EngineTopology, KVLayout
+from tests.connector.helpers import NOW, Req
 
-NOW = 1_800_000_000.0
 BS = 16
-
-
-@dataclass(frozen=True)
-class Req:
-    """A finished engine request as ``ConnectorRequest`` sees it."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    kv_transfer_params: KVTransferParams | None = None
-    num_computed_tokens: int = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def holder(base_port: int = 7000) -> HeldGrants:

@@ -6,7 +6,6 @@ with a real ``KVCacheManager``; these tests pin the part's own contract.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -16,23 +15,9 @@ from kvbridge.connector.loads import RemoteLoads
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology, KVLayout
+from tests.connector.helpers import NOW, Req
 
-NOW = 1_800_000_000.0
 BS = 16
-
-
-@dataclass(frozen=True)
-class Req:
-    """An engine request as ``ConnectorRequest`` sees it."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    kv_transfer_params: KVTransferParams | None = None
-    num_computed_tokens: int = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)
