@@ -7,6 +7,11 @@ lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
 result plus the machine it ran on) and ``<out>/<name>.png``. See
 ``docs/benchmarks.md`` for what each number means. ``all`` runs every one but
 ``vllm``, which needs vLLM installed (``make setup-vllm``) and several minutes.
+
+``transfer --netns`` runs every system between two network-namespace hosts
+over TCP (``benchmarks/peers/placement.py``) and writes ``transfer_netns.json``
+/ ``.png``, so that it does not overwrite the loopback run's files. It needs
+root and ``ip``; without them it says so and exits with 2 before anything runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks import bench_tables
+from benchmarks.peers.placement import NetnsUnavailableError, check_netns
 from benchmarks.plots import PlotUnavailable, save_plot
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
@@ -106,7 +112,8 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
         from benchmarks import transfer_bench
 
         peers = [p for p in args.peers.split(",") if p]
-        return transfer_bench.run(args.quick, peers, args.pieces, args.peer_iters, progress)
+        return transfer_bench.run(args.quick, peers, args.pieces, args.peer_iters, progress,
+                                  netns=getattr(args, "netns", False))
     if name == "vllm":
         from benchmarks import vllm_bench
 
@@ -128,6 +135,7 @@ def run_benchmark(name: str, args: argparse.Namespace) -> int:
     """
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}_netns" if getattr(args, "netns", False) else name
     machine = machine_info()
     progress = ProgressBar(name)
     started = time.monotonic()
@@ -140,16 +148,20 @@ def run_benchmark(name: str, args: argparse.Namespace) -> int:
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "duration_s": round(time.monotonic() - started, 1), "machine": machine,
               "result": result}
-    json_path = out / f"{name}.json"
+    json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"\n== kvbridge bench {name}  (load average {machine['loadavg_start'][0]:.2f} -> "
           f"{machine['loadavg_end'][0]:.2f} on {machine['nproc']} cores)")
+    if result.get("network") == "netns-tcp":
+        hosts = result["placement"]
+        print(f"two netns hosts over TCP (UCX_TLS=tcp): serving side on {hosts['serve_ip']}, "
+              f"reading side on {hosts['read_ip']}")
     print(bench_tables.TABLES[name](result))
     print(f"\nwrote {json_path}")
     if not args.no_plot:
         try:
-            save_plot(name, result, out / f"{name}.png")
-            print(f"wrote {out / f'{name}.png'}")
+            save_plot(name, result, out / f"{stem}.png")
+            print(f"wrote {out / f'{stem}.png'}")
         except PlotUnavailable as exc:
             print(f"no plot: {exc}")
     return 0 if bench_tables.passed(name, result) else 1
@@ -199,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="request sizes in 64 KiB pieces, e.g. 1,16,32,1024")
         subs[name].add_argument("--peer-iters", type=int, default=None,
                                 help="timed requests per size for the peers")
+    subs["transfer"].add_argument(
+        "--netns", action="store_true",
+        help="every system between two network-namespace hosts over TCP (UCX_TLS=tcp), "
+             "built and removed by the run; needs root and ip; writes transfer_netns.*")
     for name in ("kernels", "all"):
         subs[name].add_argument("--blocks", type=_int_list, default=None,
                                 help="block counts, e.g. 64,256,1024")
@@ -235,7 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # per process otherwise. Spawned benchmark processes inherit this.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     names = BENCHMARKS if args.which == "all" else (args.which,)
-    return max(run_benchmark(name, args) for name in names)
+    try:
+        if getattr(args, "netns", False):
+            check_netns()  # before anything runs; building the hosts may still refuse
+        return max(run_benchmark(name, args) for name in names)
+    except NetnsUnavailableError as exc:
+        print(f"kvbridge bench {args.which} --netns: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """kvbridge's side of the transfer benchmark: a serving and a reading agent process.
 
-Used by ``benchmarks/transfer_bench.py``. :class:`AgentPair` spawns two
-processes on loopback, each with one ``TransferAgent`` over ``num_layers``
-bf16 caches of ``[2, num_pool_blocks, 16, 8, 128]`` (NHD). The parent drives
-them through pipes, one request at a time::
+Used by ``benchmarks/transfer_bench.py``. :class:`AgentPair` starts two
+processes (``python -m benchmarks.transfer_agents serve|read``), each with one
+``TransferAgent`` over ``num_layers`` bf16 caches of ``[2, num_pool_blocks, 16,
+8, 128]`` (NHD), where its ``Placement`` says: both on loopback, or the server
+in one network namespace and the reader in another (``benchmarks/peers/
+placement.py``). The parent drives them through a socket pair each (a child
+gets its end as an inherited descriptor, which ``ip netns exec`` passes on), one
+request at a time::
 
     parent --grant(ids)--> server        issue_grant, reply with the token
     parent --read(ids, token)--> reader  start_read ... get_finished, reply seconds
@@ -18,15 +22,20 @@ the blocks it read, so a misplaced, torn or stray block is caught.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.peers.placement import LOOPBACK, Placement, Side
 from benchmarks.peers.results import PeerResult, summarize
 
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -35,6 +44,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _NUM_WARMUP = 2  # the first read also handshakes
 _WAIT_S = 1.0
 _SEED = 7
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class AgentPairError(RuntimeError):
@@ -80,8 +90,9 @@ def _words(cache: Any) -> npt.NDArray[np.uint64]:
     return array.reshape(2, cache.shape[1], -1)
 
 
-def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int) -> None:
-    agent, caches = _agent("bench-p", num_layers, num_pool_blocks)
+def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
+                local_copy: bool) -> None:
+    agent, caches = _agent("bench-p", num_layers, num_pool_blocks, local_copy)
     all_ids = np.arange(num_pool_blocks, dtype=np.int64)
     for layer, cache in enumerate(caches):
         _words(cache)[:] = pattern(layer, all_ids)
@@ -95,8 +106,8 @@ def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int) -> None
         conn.send("closed")
 
 
-def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: int,
-               local_copy: bool) -> None:
+def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: str,
+               port: int, local_copy: bool) -> None:
     agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy)
     agent.start()
     conn.send("ready")
@@ -104,7 +115,8 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: in
         while (msg := conn.recv())[0] != "close":
             match msg:
                 case ("read", request_id, remote_ids, local_ids, token):
-                    conn.send(_timed_read(agent, port, request_id, remote_ids, local_ids, token))
+                    conn.send(_timed_read(agent, host, port, request_id, remote_ids,
+                                          local_ids, token))
                 case ("zero",):
                     for cache in caches:
                         cache.zero_()
@@ -116,12 +128,12 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, port: in
         conn.send("closed")
 
 
-def _timed_read(agent: Any, port: int, request_id: str, remote_ids: list[int],
+def _timed_read(agent: Any, host: str, port: int, request_id: str, remote_ids: list[int],
                 local_ids: list[int], token: str) -> tuple[float, int] | str:
     """Seconds from ``start_read`` to the outcome and the read's message count, or the
     error text of a failed read."""
     started = time.perf_counter()
-    agent.start_read(request_id, engine_id="bench-p", host="127.0.0.1", port=port,
+    agent.start_read(request_id, engine_id="bench-p", host=host, port=port,
                      remote_block_ids=remote_ids, local_block_ids=local_ids, grant=token,
                      num_tokens=len(remote_ids) * BLOCK_SIZE)
     while request_id not in agent.get_finished()[1]:
@@ -157,43 +169,58 @@ class AgentPair:
         timeout_s: Deadline of every reply from a child.
         local_copy: let the reader copy out of the server's process (both are on
             this host: ``kvbridge.transfer.reading.same_host``); False reads through UCX.
+            Off for both agents wherever ``placement`` puts them on two hosts.
         name: the name of the results.
+        placement: Where the server and the reader run, and their extra environment.
 
     Raises:
         AgentPairError: a child did not start within ``timeout_s``.
     """
 
     def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float,
-                 local_copy: bool = True, name: str = "kvbridge") -> None:
+                 local_copy: bool = True, name: str = "kvbridge",
+                 placement: Placement = LOOPBACK) -> None:
         self.num_layers, self.num_pool_blocks, self.timeout_s = (
             num_layers, num_pool_blocks, timeout_s)
         self.name = name
-        self._procs: list[BaseProcess] = []
+        self._env = {**os.environ, **placement.env,
+                     "PYTHONPATH": os.pathsep.join(
+                         p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []  # reader last, so close() stops it first
         self._num_requests = 0
+        same_host = placement.same_host
         try:
-            self._server = self._spawn(_serve_main, num_layers, num_pool_blocks)
+            self._server = self._spawn(placement.serve, "serve", num_layers, num_pool_blocks,
+                                       same_host)
             port = self._recv(self._server)
-            self._reader = self._spawn(_read_main, num_layers, num_pool_blocks, port,
-                                       local_copy)
+            self._reader = self._spawn(placement.read, "read", num_layers, num_pool_blocks,
+                                       placement.serve.ip, port, local_copy and same_host)
             self._recv(self._reader)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, target: Any, *args: Any) -> Connection:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self._procs.append(proc)
+    def _spawn(self, side: Side, role: str, *args: Any) -> Connection:
+        """Start ``role`` on ``side``; the connection to it (its end of a socket pair)."""
+        parent, child = mp.Pipe()
+        with child:  # the process holds its own copy
+            fd = child.fileno()
+            try:
+                self._procs.append(subprocess.Popen(
+                    side.command([sys.executable, "-m", "benchmarks.transfer_agents", role,
+                                  str(fd), json.dumps(args)]),
+                    cwd=_REPO_ROOT, env=self._env, pass_fds=(fd,)))
+            except BaseException:
+                parent.close()
+                raise
         self._conns.append(parent)
-        proc.start()
         return parent
 
     def _recv(self, conn: Connection) -> Any:
         if not conn.poll(self.timeout_s):
             raise AgentPairError(f"no reply from a benchmark agent in {self.timeout_s:.0f} s "
-                                 f"(alive: {[p.is_alive() for p in self._procs]})")
+                                 f"(exit codes: {[p.poll() for p in self._procs]})")
         try:
             return conn.recv()
         except EOFError:
@@ -251,13 +278,33 @@ class AgentPair:
                 conn.send(("close",))
                 self._recv(conn)
         for proc in self._procs:
-            proc.join(self.timeout_s)
-            if proc.is_alive():
+            try:
+                proc.wait(self.timeout_s)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
 
     def __enter__(self) -> AgentPair:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main(argv: list[str]) -> None:
+    """Child entry (:class:`AgentPair` starts it): ``serve|read <fd> <JSON list of the
+    role's arguments>``, ``fd`` being the child's end of its socket pair."""
+    match argv:
+        case ["serve", fd, args]:
+            _serve_main(Connection(int(fd)), *json.loads(args))
+        case ["read", fd, args]:
+            _read_main(Connection(int(fd)), *json.loads(args))
+        case _:
+            raise SystemExit(f"usage: python -m benchmarks.transfer_agents serve|read FD ARGS; "
+                             f"got {argv}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

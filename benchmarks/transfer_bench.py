@@ -20,7 +20,7 @@ Inside one kvbridge layer a block's K and V are two 32 KiB runs (the cache is
 one run each. The 2 MiB point (32 layers, one block) is the model's real
 one-block request; its p50/p99 are the "1-block latency".
 
-kvbridge runs as two spawned processes on loopback per layer count: a serving
+kvbridge runs as two processes on loopback per layer count: a serving
 agent (fills its cache with a pattern, issues a grant per request) and a
 reading agent, timed from ``start_read`` to the read showing up in
 ``get_finished`` (grant, handshake reuse, chunked read, unpack, done report).
@@ -28,25 +28,39 @@ Both are on this host, so by default the reader copies the blocks out of the
 server's process itself (``kvbridge.transfer.reading.same_host``); the pseudo-peer
 ``kvbridge_ucx`` runs the same with that off: every byte through UCX, as
 between two hosts.
-Block ids are scattered over a pool twice the largest request. After the timed
+Block ids are scattered over a pool twice the largest request (at least 32
+blocks: 2 MiB per layer, so caches get huge pages as an engine's do). After the timed
 requests of each size the reader checks every named block against the pattern
 and every other block for zeros.
+
+With ``netns=True`` (``--netns``) every system runs between two network
+namespace hosts instead (``benchmarks/peers/placement.py``): serving side in
+host ``a`` (10.77.0.1), reading side in ``b`` (10.77.0.2), over their veth
+links with ``UCX_TLS=tcp`` for every child, same-host copies off (so
+``kvbridge_ucx`` is ``kvbridge`` again). The hosts are built before the first
+system runs and removed after the last, whatever happens; the report says which
+``network`` ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import multiprocessing as mp
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.peers import PEER_NAMES, KVWorkload, run_named_peer
+from benchmarks.peers.placement import LOOPBACK, Placement, netns_placement
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
 
 PIECE_NBYTES = 64 << 10
+#: kvbridge's pool per layer is at least 2 MiB (32 blocks of 64 KiB): a real engine's
+#: caches are GiBs, on huge pages where the OS gives them (``kv_cache_zeros``); a 1 MiB
+#: layer would not be, and would time 4 KiB page walks (2x slower copies) instead.
+MIN_POOL_BLOCKS = 32
 MAX_LAYERS = 32
 FULL_PIECES = (1, 16, 32, 64, 256, 1024, 4096)
 QUICK_PIECES = (1, 16, 32, 64, 256, 1024)
@@ -99,12 +113,14 @@ def kvbridge_iters(nbytes: int, quick: bool) -> int:
 
 
 def run_kvbridge(points: Sequence[SizePoint], quick: bool,
-                 progress: Progress | None = None, name: str = "kvbridge") -> list[PeerResult]:
+                 progress: Progress | None = None, name: str = "kvbridge",
+                 placement: Placement = LOOPBACK) -> list[PeerResult]:
     """Time kvbridge at every point; one process pair per layer count.
 
     ``name`` ``kvbridge``: as configured by default (both agents on this host,
     so the reader copies out of the server's process); ``kvbridge_ucx``: with
-    same-host copies off, every byte through UCX as between two hosts.
+    same-host copies off, every byte through UCX as between two hosts. On two
+    namespace hosts (``placement``) both are the latter.
 
     Raises:
         RuntimeError: a read failed or the data did not verify.
@@ -114,9 +130,9 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
     results: list[PeerResult] = []
     for num_layers in sorted({p.num_layers for p in points}):
         group = [p for p in points if p.num_layers == num_layers]
-        num_pool_blocks = 2 * max(p.num_blocks for p in group)
+        num_pool_blocks = max(2 * max(p.num_blocks for p in group), MIN_POOL_BLOCKS)
         with AgentPair(num_layers, num_pool_blocks, _TIMEOUT_S,
-                       local_copy=name != KVBRIDGE_UCX, name=name) as pair:
+                       local_copy=name != KVBRIDGE_UCX, name=name, placement=placement) as pair:
             for point in group:
                 results.append(pair.measure(point.num_blocks, kvbridge_iters(point.nbytes, quick),
                                             point.nbytes))
@@ -126,16 +142,17 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
     return results
 
 
-def _try_peer(name: str, sizes: list[int], iters: int, workload: KVWorkload) -> PeerOutcome:
+def _try_peer(name: str, sizes: list[int], iters: int, workload: KVWorkload,
+              placement: Placement) -> PeerOutcome:
     try:
-        return run_named_peer(name, sizes, iters, workload)
+        return run_named_peer(name, sizes, iters, workload, placement)
     except Exception as exc:  # a peer must never end the run
         return Unavailable(name, f"{type(exc).__name__}: {exc}")
 
 
-def run_peer_safely(name: str, sizes: list[int],
-                    iters: int) -> tuple[PeerOutcome, dict[int, str]]:
-    """``run_named_peer`` on the shared workload; never raises.
+def run_peer_safely(name: str, sizes: list[int], iters: int,
+                    placement: Placement = LOOPBACK) -> tuple[PeerOutcome, dict[int, str]]:
+    """``run_named_peer`` on the shared workload, placed as ``placement``; never raises.
 
     A peer that fails the whole run is retried one size at a time (same pool,
     same block ids), so that one size it cannot do (e.g. a batch too large)
@@ -145,13 +162,13 @@ def run_peer_safely(name: str, sizes: list[int],
         The results (or ``Unavailable``) and ``{nbytes: reason}`` of sizes that failed.
     """
     workload = KVWorkload.for_sizes(sizes)
-    outcome = _try_peer(name, sizes, iters, workload)
+    outcome = _try_peer(name, sizes, iters, workload, placement)
     if not isinstance(outcome, Unavailable) or len(sizes) == 1:
         return outcome, {}
     results: list[PeerResult] = []
     failures: dict[int, str] = {}
     for nbytes in sizes:
-        one = _try_peer(name, [nbytes], iters, workload)
+        one = _try_peer(name, [nbytes], iters, workload, placement)
         if isinstance(one, Unavailable):
             if not results:
                 return outcome, {}
@@ -162,7 +179,8 @@ def run_peer_safely(name: str, sizes: list[int],
 
 
 def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | None = None,
-        peer_iters: int | None = None, progress: Progress | None = None) -> dict[str, Any]:
+        peer_iters: int | None = None, progress: Progress | None = None,
+        netns: bool = False) -> dict[str, Any]:
     """Run kvbridge and each of ``peers`` at the same sizes.
 
     Args:
@@ -171,21 +189,36 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
         pieces: Request sizes in 64 KiB pieces (default by mode).
         peer_iters: Timed requests per size for the peers (default 10 / 20).
         progress: Called after each finished step.
+        netns: Every system between two network-namespace hosts over TCP
+            (``UCX_TLS=tcp``) instead of on loopback; needs root and ``ip``.
 
     Returns:
-        ``{"workload", "systems": {name: [result] | {"unavailable": why}},
+        ``{"network": "loopback" | "netns-tcp", "placement", "workload",
+        "systems": {name: [result] | {"unavailable": why}},
         "ratios": {peer: {nbytes: kvbridge / peer}}, "latency_1_block",
         "peer_failures": {peer: {nbytes: why}}}`` (sizes a peer could not do).
 
     Raises:
         ValueError: unknown peer or a bad size.
         RuntimeError: kvbridge's own run failed (peers never raise).
+        NetnsUnavailableError: ``netns`` and the hosts cannot be built (before
+            anything runs).
     """
     unknown = [p for p in peers if p not in PEER_NAMES and p != KVBRIDGE_UCX]
     if unknown:
         raise ValueError(f"unknown peers {unknown}; known: "
                          f"{', '.join((*PEER_NAMES, KVBRIDGE_UCX))}")
     points = [SizePoint.of(n) for n in (pieces or (QUICK_PIECES if quick else FULL_PIECES))]
+    hosts = netns_placement() if netns else contextlib.nullcontext(LOOPBACK)
+    with hosts as placement:  # namespaces (if any) are gone when this block is left
+        report = _run_all(points, quick, peers, peer_iters, progress, placement)
+        return {"network": placement.network, "placement": placement.describe(), **report}
+
+
+def _run_all(points: Sequence[SizePoint], quick: bool, peers: Sequence[str],
+             peer_iters: int | None, progress: Progress | None,
+             placement: Placement) -> dict[str, Any]:
+    """Every system at ``points``, placed as ``placement``: the report but its placement."""
     sizes = [p.nbytes for p in points]
     total = len(points) * (1 + len(peers))
 
@@ -194,15 +227,18 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
             progress(label, done + offset, total)
 
     offset = 0
-    outcomes: dict[str, PeerOutcome] = {"kvbridge": run_kvbridge(points, quick, step)}
+    outcomes: dict[str, PeerOutcome] = {
+        "kvbridge": run_kvbridge(points, quick, step, placement=placement)}
     failures: dict[str, dict[int, str]] = {}
     for name in peers:
         offset += len(points)
         if name == KVBRIDGE_UCX:  # ours too: a failure is one
-            outcomes[name], failed = run_kvbridge(points, quick, name=name), {}
+            outcomes[name], failed = run_kvbridge(points, quick, name=name,
+                                                  placement=placement), {}
         else:
             outcomes[name], failed = run_peer_safely(name, sizes,
-                                                     peer_iters or (10 if quick else 20))
+                                                     peer_iters or (10 if quick else 20),
+                                                     placement)
         if failed:
             failures[name] = failed
         step(name, len(points), total)
@@ -240,13 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer iters")
     parser.add_argument("--peers", default="", help=f"comma list of {', '.join(PEER_NAMES)}")
+    parser.add_argument("--netns", action="store_true",
+                        help="between two network-namespace hosts over TCP (root)")
     args = parser.parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
-    json.dump(run(args.quick, peers), sys.stdout, indent=2)
+    json.dump(run(args.quick, peers, netns=args.netns), sys.stdout, indent=2)
     print()
     return 0
 
 
 if __name__ == "__main__":
-    mp.set_start_method("spawn", force=True)
     sys.exit(main())

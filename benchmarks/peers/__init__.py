@@ -8,6 +8,7 @@ Map of this package:
     workload.py       KV-shaped blocks, scattered ids, deterministic fill, verify
     results.py        PeerResult / Unavailable and the statistics behind them
     harness.py        two-process runner: target + initiator, metadata in-band
+    placement.py      where the two sides run: loopback, or two netns hosts over TCP
     child_env.py      children's environment without what ``import ucxx`` added
     cli.py            the stand-alone ``python -m benchmarks.peers.<peer>`` command
     ucx_perftest.py   tag_bw / ucp_get of the libucx wheel's binary (UCX ceiling)
@@ -26,6 +27,7 @@ import importlib
 from types import MappingProxyType
 
 from benchmarks.peers import child_env as _child_env  # noqa: F401  (snapshot, see above)
+from benchmarks.peers.placement import LOOPBACK, Placement
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
 from benchmarks.peers.workload import (
     DEFAULT_BLOCK_COUNTS,
@@ -45,7 +47,8 @@ _PEER_MODULES = MappingProxyType({
 
 
 def run_named_peer(name: str, sizes: list[int], iters: int,
-                   workload: KVWorkload | None = None) -> PeerOutcome:
+                   workload: KVWorkload | None = None,
+                   placement: Placement = LOOPBACK) -> PeerOutcome:
     """Run one peer by name on ``sizes`` (bytes) for ``iters`` requests each.
 
     Args:
@@ -53,6 +56,7 @@ def run_named_peer(name: str, sizes: list[int], iters: int,
         sizes: Request sizes in bytes, multiples of the block size.
         iters: Timed requests per size.
         workload: Shared pool geometry; default fits ``sizes``.
+        placement: Where its serving and reading sides run (default: loopback).
 
     Returns:
         One ``PeerResult`` per size, or ``Unavailable`` with the reason.
@@ -64,7 +68,8 @@ def run_named_peer(name: str, sizes: list[int], iters: int,
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}")
     module = importlib.import_module(_PEER_MODULES[name])
     extra = {"test": "ucp_get"} if name == "ucx_perftest_get" else {}
-    outcome: PeerOutcome = module.run_peer(sizes, iters, workload=workload, **extra)
+    outcome: PeerOutcome = module.run_peer(sizes, iters, workload=workload,
+                                           placement=placement, **extra)
     return outcome
 
 
@@ -73,8 +78,10 @@ __all__ = [
     "PEER_NAMES",
     "KVShape",
     "KVWorkload",
+    "LOOPBACK",
     "PeerOutcome",
     "PeerResult",
+    "Placement",
     "Unavailable",
     "WorkloadError",
     "run_named_peer",

@@ -1,5 +1,6 @@
-"""Run a peer as two processes on loopback: a *target* that owns the source
-pool and an *initiator* that reads from it, both started by the caller.
+"""Run a peer as two processes: a *target* that owns the source pool and an
+*initiator* that reads from it, both started by the caller, on loopback or on
+two network-namespace hosts (``placement.py``).
 
 Used by ``nixl_peer`` and ``mooncake_peer`` through :class:`PairPeer`. Each
 child runs ``python -m benchmarks.peers.<peer> target|initiator``; the parent relays the
@@ -16,7 +17,8 @@ stdout is ignored. Every wait has a deadline; children still alive at the end
 are killed.
 
 Children start from the environment as it was before ``import ucxx``
-(``child_env.py`` says why).
+(``child_env.py`` says why), plus the placement's (``UCX_TLS=tcp`` between
+namespace hosts). Each child finds its own address in ``spec["host"]``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import IO, Any
 
 from benchmarks.peers.child_env import child_env
 from benchmarks.peers.cli import standalone_main
+from benchmarks.peers.placement import LOOPBACK, Placement, Side
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable, summarize
 from benchmarks.peers.workload import IdArray, KVShape, KVWorkload, U8Array
 
@@ -82,16 +85,16 @@ def workload_from_spec(spec: Mapping[str, Any]) -> KVWorkload:
 
 
 class _Child:
-    """One child process; stdout lines carrying :data:`MARK` go to a queue."""
+    """One child process on ``side``; stdout lines carrying :data:`MARK` go to a queue."""
 
-    def __init__(self, module: str, role: str) -> None:
-        env = child_env({"PYTHONPATH": str(_REPO_ROOT)})
+    def __init__(self, module: str, role: str, side: Side, extra_env: Mapping[str, str]) -> None:
+        env = {**child_env({"PYTHONPATH": str(_REPO_ROOT)}), **extra_env}
         self.role = role
         # A file, not a pipe: nobody drains stderr while the child runs, and a
         # chatty library must not block on a full pipe. Closed in close().
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", module, role], cwd=_REPO_ROOT, env=env,
+            side.command([sys.executable, "-m", module, role]), cwd=_REPO_ROOT, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -149,25 +152,28 @@ class _Child:
         self._stderr.close()
 
 
-def run_pair(module: str, spec: Payload, timeout_s: float) -> list[Payload]:
+def run_pair(module: str, spec: Payload, timeout_s: float,
+             placement: Placement = LOOPBACK) -> list[Payload]:
     """Start target and initiator of ``module``; return the initiator's results.
 
     Args:
         module: Importable peer module, e.g. ``benchmarks.peers.nixl_peer``.
-        spec: From :func:`workload_spec`; sent to both children.
+        spec: From :func:`workload_spec`; sent to both children, each with its
+            own address added as ``host``.
         timeout_s: Deadline for each step (start-up, the whole run).
+        placement: Where target (serving side) and initiator (reading side) run.
 
     Raises:
         PeerRunError: a child failed, reported an error or missed a deadline.
             Both children are gone when this returns or raises.
     """
-    target = _Child(module, "target")
+    target = _Child(module, "target", placement.serve, placement.env)
     try:
-        target.send({"spec": spec})
+        target.send({"spec": {**spec, "host": placement.serve.ip}})
         ready = target.receive(timeout_s)["ready"]
-        initiator = _Child(module, "initiator")
+        initiator = _Child(module, "initiator", placement.read, placement.env)
         try:
-            initiator.send({"spec": spec, "target": ready})
+            initiator.send({"spec": {**spec, "host": placement.read.ip}, "target": ready})
             results: list[Payload] = initiator.receive(timeout_s)["results"]
             return results
         finally:
@@ -195,7 +201,8 @@ class PairPeer:
     min_gbps: float
 
     def run(self, sizes: list[int], iters: int, workload: KVWorkload | None = None,
-            warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+            warmup: int = 2, timeout_s: float | None = None,
+            placement: Placement = LOOPBACK) -> PeerOutcome:
         """Read ``sizes`` bytes of scattered blocks between two processes.
 
         Args:
@@ -204,6 +211,7 @@ class PairPeer:
             workload: Pool geometry and content; default fits ``sizes``.
             warmup: Untimed requests per size (the first also connects).
             timeout_s: Deadline per step; default scales with the bytes moved.
+            placement: Where target and initiator run (default: both on loopback).
 
         Returns:
             One verified-or-not ``PeerResult`` per size, or ``Unavailable`` when
@@ -225,7 +233,7 @@ class PairPeer:
             timeout_s = 60.0 + sum(sizes) * (iters + warmup) / (self.min_gbps * 1e9)
         spec = workload_spec(workload, sizes, iters, warmup, timeout_s)
         try:
-            rows = run_pair(self.module, spec, timeout_s)
+            rows = run_pair(self.module, spec, timeout_s, placement)
         except PeerRunError as exc:
             return Unavailable(self.name, str(exc))
         return [PeerResult(**row) for row in rows]

@@ -5,8 +5,10 @@ script (``python -m benchmarks.peers.mooncake_peer --blocks 1,16,1024``).
 
 Both sides start a ``TransferEngine`` with protocol ``tcp`` and metadata
 ``P2PHANDSHAKE`` (no metadata server: the engines exchange segment metadata
-over their own RPC port). The target registers its source pool and hands its
-session name (``127.0.0.1:<rpc port>``) and pool address to the parent, which
+over their own RPC port). Each engine is named after its side's address
+(``spec["host"]``: 127.0.0.1 on loopback, the namespace host's eth0 address
+with ``--netns``). The target registers its source pool and hands its session
+name (``<its address>:<rpc port>``) and pool address to the parent, which
 passes them to the initiator in-band (see ``harness``). Per request the
 initiator issues one ``batch_transfer_sync_read`` naming every scattered block
 (one address pair per block); that call is what is timed.
@@ -29,11 +31,11 @@ from benchmarks.peers.harness import (
     time_requests,
     workload_from_spec,
 )
+from benchmarks.peers.placement import LOOPBACK, Placement
 from benchmarks.peers.results import PeerOutcome
 from benchmarks.peers.workload import IdArray, KVWorkload
 
 PEER = "mooncake"
-_HOST = "127.0.0.1"
 _PEER = PairPeer(PEER, "benchmarks.peers.mooncake_peer", "mooncake",
                  missing="mooncake-transfer-engine-non-cuda is not installed "
                          "(pip install mooncake-transfer-engine-non-cuda)",
@@ -45,16 +47,17 @@ class MooncakeError(RuntimeError):
 
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
-             warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+             warmup: int = 2, timeout_s: float | None = None,
+             placement: Placement = LOOPBACK) -> PeerOutcome:
     """Read ``sizes`` bytes of scattered blocks through Mooncake; see :meth:`PairPeer.run`.
 
     ``Unavailable`` also when its system libraries are missing (the reason says which).
     """
-    return _PEER.run(sizes, iters, workload, warmup, timeout_s)
+    return _PEER.run(sizes, iters, workload, warmup, timeout_s, placement)
 
 
-def _new_engine() -> Any:
-    """A TCP engine with P2P handshake (untyped third-party object).
+def _new_engine(host: str) -> Any:
+    """A TCP engine with P2P handshake named after ``host`` (untyped third-party object).
 
     Raises:
         MooncakeError: ``initialize`` failed.
@@ -64,7 +67,7 @@ def _new_engine() -> Any:
     except ImportError as exc:  # e.g. libibverbs.so.1 missing: say which
         raise MooncakeError(f"cannot load mooncake.engine: {exc}") from exc
     engine = TransferEngine()
-    rc = engine.initialize(_HOST, "P2PHANDSHAKE", "tcp", "")
+    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
         raise MooncakeError(f"TransferEngine.initialize(tcp, P2PHANDSHAKE) returned {rc}")
     return engine
@@ -81,10 +84,11 @@ def _serve(spec: Payload) -> Generator[Payload, None, None]:
     workload = workload_from_spec(spec)
     pool = workload.new_pool()
     workload.fill_source(pool)
-    engine = _new_engine()
+    host = str(spec["host"])
+    engine = _new_engine(host)
     _register(engine, pool.ctypes.data, pool.nbytes)
     try:
-        yield {"session": f"{_HOST}:{engine.get_rpc_port()}", "base_addr": pool.ctypes.data}
+        yield {"session": f"{host}:{engine.get_rpc_port()}", "base_addr": pool.ctypes.data}
     finally:
         engine.unregister_memory(pool.ctypes.data)
 
@@ -95,7 +99,7 @@ def _read(spec: Payload, target: Payload) -> list[Payload]:
     session = str(target["session"])
     remote_base = int(target["base_addr"])
     pool = workload.new_pool()
-    engine = _new_engine()
+    engine = _new_engine(str(spec["host"]))
     _register(engine, pool.ctypes.data, pool.nbytes)
     block_nbytes = workload.block_nbytes
 

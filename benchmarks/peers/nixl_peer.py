@@ -34,6 +34,7 @@ from benchmarks.peers.harness import (
     time_requests,
     workload_from_spec,
 )
+from benchmarks.peers.placement import LOOPBACK, Placement
 from benchmarks.peers.results import PeerOutcome
 from benchmarks.peers.workload import IdArray, KVWorkload
 
@@ -48,9 +49,10 @@ class NixlTransferError(RuntimeError):
 
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
-             warmup: int = 2, timeout_s: float | None = None) -> PeerOutcome:
+             warmup: int = 2, timeout_s: float | None = None,
+             placement: Placement = LOOPBACK) -> PeerOutcome:
     """Read ``sizes`` bytes of scattered blocks through NIXL; see :meth:`PairPeer.run`."""
-    return _PEER.run(sizes, iters, workload, warmup, timeout_s)
+    return _PEER.run(sizes, iters, workload, warmup, timeout_s, placement)
 
 
 def _block_descs(base_addr: int, workload: KVWorkload) -> npt.NDArray[np.uint64]:

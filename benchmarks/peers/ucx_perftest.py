@@ -1,4 +1,4 @@
-"""``ucx_perftest`` between two processes on loopback: the UCX ceiling.
+"""``ucx_perftest`` between two processes: the UCX ceiling.
 
 Called by ``benchmarks/transfer_bench.py`` through :func:`run_peer` (same
 signature as the other peers) or :func:`run_perftest` for one size; also a
@@ -6,7 +6,9 @@ script (``python -m benchmarks.peers.ucx_perftest --blocks 1,16,1024``).
 
 The binary ships in the ``libucx`` wheel (``libucx/bin/ucx_perftest``) next to
 the libraries it needs (``libucx/lib``). We start it as a server on a free
-port, wait until the port listens, then run the client against 127.0.0.1 with
+port, wait until the port listens, then run the client against the server's
+address (127.0.0.1, or with ``--netns`` the server's namespace host, client and
+server in two namespaces with ``UCX_TLS=tcp``: ``placement.py``) with
 ``-t tag_bw -s <nbytes> -n <iters> -f -v`` and read the final CSV line. Each
 message is one contiguous buffer of the request's size, with up to 32 in
 flight: no scatter, no per-request handshake, no data check. That is the
@@ -37,6 +39,7 @@ from types import MappingProxyType
 
 from benchmarks.peers.child_env import child_env
 from benchmarks.peers.cli import standalone_main
+from benchmarks.peers.placement import LOOPBACK, Placement
 from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
 from benchmarks.peers.workload import KVWorkload
 
@@ -87,8 +90,9 @@ def find_perftest() -> Path:
     return binary
 
 
-def _perftest_env(binary: Path) -> dict[str, str]:
-    return child_env({"LD_LIBRARY_PATH": str(binary.parent.parent / "lib")})
+def _perftest_env(binary: Path, placement: Placement) -> dict[str, str]:
+    return {**child_env({"LD_LIBRARY_PATH": str(binary.parent.parent / "lib")}),
+            **placement.env}
 
 
 def _free_port() -> int:
@@ -98,16 +102,17 @@ def _free_port() -> int:
         return port
 
 
-def _is_listening(port: int) -> bool:
-    """True when some IPv4 socket listens on ``port`` (without connecting to it:
-    the server would take a probe connection for the test's client)."""
-    with open("/proc/net/tcp") as table:
-        next(table)  # header
-        for row in table:
-            fields = row.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == _TCP_LISTEN:
-                return True
-    return False
+def _is_listening(port: int, pid: int) -> bool:
+    """True when some IPv4 socket listens on ``port`` in the network namespace of
+    process ``pid`` (without connecting to it: the server would take a probe
+    connection for the test's client); False too once ``pid`` has exited."""
+    try:
+        with open(f"/proc/{pid}/net/tcp") as table:
+            rows = table.readlines()[1:]  # after the header
+    except OSError:  # gone: the caller's poll() says so
+        return False
+    return any(int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == _TCP_LISTEN
+               for fields in (row.split() for row in rows))
 
 
 def _parse_final_csv(stdout: str, nbytes: int) -> PerftestRun:
@@ -128,11 +133,12 @@ def _parse_final_csv(stdout: str, nbytes: int) -> PerftestRun:
 
 
 def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 120.0,
-                 test: str = "tag_bw") -> PerftestRun:
+                 test: str = "tag_bw", placement: Placement = LOOPBACK) -> PerftestRun:
     """One run of ``iters`` messages of ``nbytes`` between two processes.
 
     Args:
         test: ``tag_bw`` (two-sided) or ``ucp_get`` (one-sided read).
+        placement: Server on its serving side, client on its reading side.
 
     Raises:
         ValueError: ``nbytes`` or ``iters`` < 1, ``warmup`` < 0, unknown ``test``.
@@ -145,22 +151,24 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
     if test not in _PEER_OF_TEST:
         raise ValueError(f"test must be one of {sorted(_PEER_OF_TEST)}, got {test!r}")
     binary = find_perftest()
-    env = _perftest_env(binary)
-    port = _free_port()
+    env = _perftest_env(binary, placement)
+    port = _free_port()  # on this host; a fresh namespace host has every port free
     with tempfile.TemporaryFile() as server_log:
-        server = subprocess.Popen([str(binary), "-p", str(port)], env=env,
-                                  stdout=server_log, stderr=subprocess.STDOUT)
+        # ``ip netns exec`` execs the command: server.pid is the server's own pid
+        server = subprocess.Popen(placement.serve.command([str(binary), "-p", str(port)]),
+                                  env=env, stdout=server_log, stderr=subprocess.STDOUT)
         try:
             give_up = time.monotonic() + _LISTEN_TIMEOUT_S
-            while not _is_listening(port):
+            while not _is_listening(port, server.pid):
                 if server.poll() is not None or time.monotonic() > give_up:
                     server_log.seek(0)
                     raise PerftestError(f"server did not listen on port {port}: "
                                         f"{server_log.read()[-300:]!r}")
                 time.sleep(0.02)
             client = subprocess.run(
-                [str(binary), _HOST, "-p", str(port), "-t", test, "-s", str(nbytes),
-                 "-n", str(iters), "-w", str(warmup), "-f", "-v"],
+                placement.read.command([str(binary), placement.serve.ip, "-p", str(port),
+                                        "-t", test, "-s", str(nbytes), "-n", str(iters),
+                                        "-w", str(warmup), "-f", "-v"]),
                 env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
             )
             if client.returncode != 0:
@@ -178,7 +186,7 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
              warmup: int | None = None, timeout_s: float | None = None,
-             test: str = "tag_bw") -> PeerOutcome:
+             test: str = "tag_bw", placement: Placement = LOOPBACK) -> PeerOutcome:
     """``test`` at each request size, as a one-message-per-request ceiling.
 
     Args:
@@ -191,6 +199,7 @@ def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
         timeout_s: Deadline per run; default scales with the bytes sent.
         test: ``tag_bw`` (peer ``ucx_perftest``) or ``ucp_get`` (peer
             ``ucx_perftest_get``).
+        placement: Where server and client run (default: both on loopback).
 
     Returns:
         One ``PeerResult`` per size (``verified`` is False: the tool sends no
@@ -214,7 +223,7 @@ def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,
             num_iters = max(iters, _MIN_MESSAGES, -(-_MIN_RUN_NBYTES // nbytes))
             num_warmup = max(2, num_iters // 10) if warmup is None else warmup
             run_timeout_s = timeout_s or 60.0 + nbytes * (num_iters + num_warmup) / 50e6
-            run = run_perftest(nbytes, num_iters, num_warmup, run_timeout_s, test)
+            run = run_perftest(nbytes, num_iters, num_warmup, run_timeout_s, test, placement)
             results.append(PeerResult(
                 peer=_PEER_OF_TEST[test], nbytes=nbytes, num_blocks=1, num_iters=run.num_iters,
                 gbps_median=run.gbps_overall, latency_p50_us=None, latency_p99_us=None,

@@ -12,6 +12,7 @@ tensor, THP ``never``, a small tensor) this is ``torch.zeros``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import mmap
 import sys
@@ -35,7 +36,21 @@ def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype,
             or nbytes < HUGE_PAGE_NBYTES or not hasattr(mmap, "MADV_HUGEPAGE")):
         return torch.zeros(shape, dtype=dtype, device=device)
     size = -(-nbytes // HUGE_PAGE_NBYTES) * HUGE_PAGE_NBYTES
-    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # A huge page must start on a 2 MiB boundary, and mmap promises only 4 KiB: map
+    # 2 MiB more and start the tensor at the first boundary (else a 2 MiB tensor
+    # straddles two huge-page frames and gets none).
+    area = mmap.mmap(-1, size + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -_address(area) % HUGE_PAGE_NBYTES
     with contextlib.suppress(OSError):  # THP not built in: plain pages, still zeroed
-        area.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(area, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        area.madvise(mmap.MADV_HUGEPAGE, start, size)
+    tensor = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
+    return tensor.view(dtype).view(shape)
+
+
+def _address(area: mmap.mmap) -> int:
+    """Where ``area`` is mapped in this process."""
+    view = ctypes.c_char.from_buffer(area)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # releases the buffer export (the mapping could not be closed with it)

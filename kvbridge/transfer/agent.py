@@ -131,9 +131,10 @@ class TransferAgent:
         secret: cluster secret; when set, peers must prove they know it.
         config: timeouts and buffer sizes.
         clock: time source of the grant table.
-        on_event: called from the agent's thread whenever ``get_finished`` may
-            have news (a read ended, a grant was released); it must be quick,
-            thread-safe and must not call back into the agent. For an engine
+        on_event: called whenever ``get_finished`` may have news (a read ended,
+            a grant was released), from the agent's thread or from the thread in
+            ``start_read`` (a read made there); it must be quick, thread-safe and
+            must not call back into the agent. For an engine
             that sleeps between steps (``kvbridge.engine.wakeup``).
 
     Raises:
@@ -400,7 +401,10 @@ class TransferAgent:
         first_token: int = 0,
         prompt_digest: bytes | None = None,
     ) -> None:
-        """Begin pulling a request's blocks from a remote engine; returns at once.
+        """Begin pulling a request's blocks from a remote engine; returns at once,
+        or once they are here for a same-host read the server's grant board allows
+        (up to ``AgentConfig.inline_copy_max_nbytes``, copied on this thread:
+        ``reading/inline.py``). Either way the outcome is collected as below.
 
         Token ``t`` of the request lives in remote block ``remote_block_ids[t //
         remote_block_size]`` and lands in ``local_block_ids[t // local_block_size]``;
@@ -456,6 +460,8 @@ class TransferAgent:
             tuple(local_block_ids[:local_needed]), grant, num_tokens, time.monotonic(),
             first_token=first_token, prompt_digest=prompt_digest or b"",
         )
+        if running.reads.read_inline(job):  # a same-host copy the board allowed: done
+            return
         running.loop.call_soon_threadsafe(running.reads.submit, job)
 
     def notify_done(

@@ -66,10 +66,17 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             ``reading/same_host.py``) instead of receiving them through UCX. Also off
             with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
         local_copy_min_nbytes: smaller direct reads go through UCX even on one
-            host: below ~8 MiB UCX's shared memory, both processes copying at
-            once, is as fast as one copy (measured in docs/benchmarks.md; from
-            8 MiB up the copy wins, by more the larger the read).
+            host. 0 (default): copies at every size. A copy on the grant board's
+            word beats UCX at every size (64 KiB: 0.05 vs 0.3 ms; docs/benchmarks.md);
+            one that must ask first is as fast as UCX below ~8 MiB and faster above.
         copy_threads: threads one same-host copy is split over (large reads).
+        inline_copy_max_nbytes: a same-host read up to this size that the server's
+            grant board allows is copied by the thread calling ``start_read``
+            before it returns (``reading/inline.py``: no hop to the agent's
+            thread, no round trip; the caller waits for the copy, ~1 ms per
+            12 MiB). Any size, even below ``local_copy_min_nbytes``: without the
+            round trip, one copy beats UCX's two. 0: never (every read goes to
+            the agent's thread, and ``start_read`` returns at once).
         grant_board: when serving same-host copies, also publish live grants on
             the board same-host readers check themselves (``protocol/grant_board.py``), so
             they need not ask before they copy. False: every copy asks.
@@ -96,8 +103,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     grant_wait_s: _Seconds = 2.0
     direct_reads: bool = True
     local_copy: bool = True
-    local_copy_min_nbytes: _PositiveOrOff = 8 << 20
+    local_copy_min_nbytes: _PositiveOrOff = 0
     copy_threads: _UpTo64 = 2
+    inline_copy_max_nbytes: _PositiveOrOff = 64 << 20
     grant_board: bool = True
     test_chunk_delay_s: _SecondsOrOff = 0.0
 

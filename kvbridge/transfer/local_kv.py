@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -143,8 +144,19 @@ class LocalKV:
     def metadata(
         self, engine_id: str, proof: bytes | None, host: wire.HostInfo | None = None
     ) -> wire.AgentMetadata:
-        """The handshake's description of this rank (``host``: offer same-host copies)."""
+        """The handshake's description of this rank (``host``: offer same-host copies).
+
+        An offer of same-host copies also says where every block plane is now
+        (``wire.HostInfo.origins``), unless there are more planes than a go may list.
+        """
         topo = self.topology
+        if host is not None:
+            origins = self.plane_origins(slice(None))
+            if origins.size <= wire.MAX_COPY_ORIGINS:
+                host = msgspec.structs.replace(
+                    host, origins=origins.tobytes(), block_stride=self.plane_block_nbytes,
+                    place=self.place(),
+                )
         return wire.AgentMetadata(
             engine_id=engine_id,
             tp_size=topo.tp_size,

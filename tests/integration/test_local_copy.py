@@ -197,9 +197,10 @@ def test_either_side_can_turn_copies_off(hosts: tuple[Host, Host], side: str) ->
 def test_copies_after_the_first_start_before_the_go_and_stay_exact(
     hosts: tuple[Host, Host], board: bool,
 ) -> None:
-    """The second read of a shape copies at once: on the grant board's word (no
-    question to the server at all), or while the server checks. The bytes must
-    still be the server's, also after its caches were rewritten between reads."""
+    """With the board every read copies on its word (no question to the server at all:
+    the handshake said where the blocks are); without it the second read of a shape
+    copies while the server checks. The bytes must still be the server's, also after
+    its caches were rewritten between reads."""
     server = add(hosts[0], P_SPEC, grant_board=board)
     reader = add(hosts[1], D_SPEC)
     server.call("caches")  # (sending them here moves them once: see the next test)
@@ -211,7 +212,7 @@ def test_copies_after_the_first_start_before_the_go_and_stay_exact(
         wait_released(server, f"again-{n}")  # the reader's done reports count
     counters = server.call("counters")
     assert counters.num_data_bytes_sent == 0  # nothing went through UCX
-    assert counters.num_board_copies == (2 if board else 0)  # the first read asks
+    assert counters.num_board_copies == (3 if board else 0)
     assert counters.num_reads_served == 3 and counters.num_copy_holds == 0
     assert counters.num_bytes_served == 3 * 3 * 4 * 2 * 16 * 8 * 64 * 2
 
@@ -221,14 +222,15 @@ def test_caches_that_moved_are_never_copied_from_their_old_place(
 ) -> None:
     """Pickling a tensor to another process moves its storage into shared memory. The
     server's caches move so when ``read_ok`` first fetches them to compare: the next read
-    must not copy from where the first read's go said the blocks were."""
+    must not copy from where the handshake said the blocks were."""
     server = add(hosts[0], P_SPEC)
     reader = add(hosts[1], D_SPEC)
-    read_ok(server, reader, "before", [1, 2], [3, 4])  # asks; then the caches move
-    read_ok(server, reader, "moved", [5, 6], [3, 4])  # the board's place differs: asks
-    assert server.call("counters").num_board_copies == 0
-    read_ok(server, reader, "settled", [7, 8], [3, 4])  # the new go's place: on the board
+    read_ok(server, reader, "before", [1, 2], [3, 4])  # on the board; then the caches move
     assert server.call("counters").num_board_copies == 1
+    read_ok(server, reader, "moved", [5, 6], [3, 4])  # the board's place differs: asks
+    assert server.call("counters").num_board_copies == 1
+    read_ok(server, reader, "settled", [7, 8], [3, 4])  # the new go's place: on the board
+    assert server.call("counters").num_board_copies == 2
 
 
 @pytest.mark.parametrize("case", ["outside", "prompt", "expired", "released"])
@@ -265,13 +267,14 @@ def test_the_board_never_allows_what_the_server_refuses(
     assert outcome["failed"] == {8, 9}
     [stats] = outcome["stats"]
     assert "RejectedError" in stats.error, stats
-    counters = server.call("counters")
-    assert counters.num_board_copies == (1 if case == "released" else 0)
+    counters = server.call("counters")  # "first", and "ok" when there was one
+    assert counters.num_board_copies == (2 if case == "released" else 1)
 
 
 def test_a_copy_that_outlives_its_hold_is_dropped(hosts: tuple[Host, Host]) -> None:
-    """The reader keeps copied bytes only if the copy ended inside the server's hold."""
-    server = add(hosts[0], P_SPEC, chunk_timeout_s=1e-4)  # a hold no copy can meet
+    """The reader keeps copied bytes only if the copy ended inside the server's hold
+    (asked copies: without the board every copy asks)."""
+    server = add(hosts[0], P_SPEC, chunk_timeout_s=1e-4, grant_board=False)  # no copy meets it
     reader = add(hosts[1], D_SPEC)
     token = issue([server], "late", [3, 4], 1)
     read([reader], [server], "late", token, [3, 4], [8, 9], 32)
@@ -306,3 +309,50 @@ def test_reads_below_the_size_threshold_go_through_ucx(hosts: tuple[Host, Host])
     assert (small.num_direct, small.num_local_copies) == (1, 0)
     big = read_ok(server, reader, "big", [6, 7], [2, 3])
     assert (big.num_direct, big.num_local_copies) == (1, 1)
+
+
+def test_a_read_on_the_boards_word_is_done_when_start_read_returns(
+    hosts: tuple[Host, Host],
+) -> None:
+    """The first read of a link already copies on the board's word (the handshake said
+    where the blocks are), on the thread calling ``start_read``: its outcome is there
+    when the call returns, and the server was never asked (its done report still comes)."""
+    server = add(hosts[0], P_SPEC)
+    reader = add(hosts[1], D_SPEC)
+    server.call("caches")  # moves them once, before the handshake
+    read_ok(server, reader, "link", [1, 2], [3, 4])  # opens the link (the loop's path)
+    blocks, local = [9, 30, 5], [7, 8, 10]
+    token = issue([server], "now", blocks, 1)
+    finished, failed, [stats] = reader.call(
+        "read_now", request_id="now", engine_id="p-x", host="127.0.0.1", port=server.port,
+        remote_block_ids=blocks, local_block_ids=local, grant=token, num_tokens=48)
+    assert (finished, failed) == ({"now"}, {})
+    assert stats.ok and (stats.num_direct, stats.num_local_copies) == (1, 1), stats
+    got = logical(reader.call("caches"), reader.spec, local, 48)
+    assert torch.equal(got, logical(server.call("caches"), server.spec, blocks, 48))
+    wait_released(server, "now")  # the done report, sent later by the reader's loop
+    counters = server.call("counters")
+    assert counters.num_board_copies == 2 and counters.num_data_bytes_sent == 0
+
+
+@pytest.mark.parametrize("config", [{"inline_copy_max_nbytes": 0},
+                                    {"local_copy_min_nbytes": 1 << 30}])
+def test_reads_off_the_callers_thread_when_told(hosts: tuple[Host, Host], config: Any) -> None:
+    """``inline_copy_max_nbytes: 0`` sends every read to the agent's thread (a copy on
+    the board's word still, made there); a read under ``local_copy_min_nbytes`` goes
+    through UCX, also on the caller's thread's path."""
+    server = add(hosts[0], P_SPEC)
+    reader = add(hosts[1], D_SPEC, **config)
+    server.call("caches")  # moves them once, before the handshake
+    read_ok(server, reader, "link", [1, 2], [3, 4])
+    token = issue([server], "later", [5, 6], 1)
+    finished, _, _ = reader.call(
+        "read_now", request_id="later", engine_id="p-x", host="127.0.0.1", port=server.port,
+        remote_block_ids=[5, 6], local_block_ids=[7, 8], grant=token, num_tokens=32)
+    assert finished == set()  # not made by the caller's thread
+    assert wait_read(reader, "later")["failed"] == set()
+    counters = server.call("counters")
+    if "inline_copy_max_nbytes" in config:
+        assert (counters.num_board_copies, counters.num_data_bytes_sent) == (2, 0)
+    else:
+        assert counters.num_board_copies == 0 and counters.num_data_bytes_sent > 0

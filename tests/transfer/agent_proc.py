@@ -161,6 +161,9 @@ def _child(conn: Connection) -> None:
         if cmd == "read":
             agent.start_read(**args)
             return None
+        if cmd == "read_now":  # start_read, then what get_finished says at once (no wait)
+            agent.start_read(**args)
+            return agent.get_finished()[1], agent.get_failed_block_ids(), agent.get_stats()
         if cmd == "notify":
             agent.notify_done(**args[0])
             return None
@@ -234,5 +237,5 @@ class AgentRef:
     stats: list[Any] = field(default_factory=list)
 
     def call(self, cmd: str, *args: Any, **kwargs: Any) -> Any:
-        return self.host.call(cmd, self.name, kwargs if cmd == "read" else args)
+        return self.host.call(cmd, self.name, kwargs if cmd in ("read", "read_now") else args)
 

@@ -35,7 +35,7 @@ from kvbridge.transfer.ucx.iov import iov_array
 
 __all__ = [
     "MAX_RANGES_PER_CHUNK", "HeadSpan", "block_offsets", "block_ranges", "head_span",
-    "num_planes", "plane_ranges",
+    "num_planes", "plane_ranges", "span_of",
 ]
 
 #: Ranges one data message may list (before merging adjacent ones).
@@ -59,15 +59,27 @@ def head_span(local: LocalKV, head_start: int, head_end: int) -> HeadSpan | None
             For fused K/V the rows are ``local.head_dim = 2 * head_size`` long.
     """
     topo = local.topology
-    row_nbytes = local.head_dim * local.elem_nbytes
-    if topo.is_mla:
-        return HeadSpan(0, topo.block_size * row_nbytes)
-    num_heads = head_end - head_start
-    if topo.layout is KVLayout.HND:
-        return HeadSpan(head_start * topo.block_size * row_nbytes,
-                        num_heads * topo.block_size * row_nbytes)
-    if num_heads == local.num_heads:
-        return HeadSpan(0, topo.block_size * num_heads * row_nbytes)
+    return span_of(topo.layout, topo.is_mla, topo.block_size, local.num_heads,
+                   local.head_dim * local.elem_nbytes, head_start, head_end)
+
+
+def span_of(
+    layout: KVLayout, is_mla: bool, block_size: int, num_heads: int, row_nbytes: int,
+    head_start: int, head_end: int,
+) -> HeadSpan | None:
+    """``head_span`` of any rank's blocks, from what its handshake says of them.
+
+    Args:
+        row_nbytes: bytes of one head's row of one token (``head_dim * elem_nbytes``).
+        num_heads: heads the rank holds.
+    """
+    if is_mla:
+        return HeadSpan(0, block_size * row_nbytes)
+    num = head_end - head_start
+    if layout is KVLayout.HND:
+        return HeadSpan(head_start * block_size * row_nbytes, num * block_size * row_nbytes)
+    if num == num_heads:
+        return HeadSpan(0, block_size * num * row_nbytes)
     return None
 
 

@@ -164,6 +164,14 @@ class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
     probe: Blob
     board_address: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # 0: no board
     board_slots: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    # Where the caches were at the handshake, as a ``CopyGo`` says it for one read: the
+    # address of block 0 of every plane of every held layer (u64 each, in ``CopyGo``'s
+    # plane order), the bytes from one block to the next, and ``LocalKV.place``. A
+    # reader copies by them on the grant board's word before any go (``reading/inline.py``).
+    # Empty / 0: not offered.
+    origins: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_COPY_ORIGINS)] = b""
+    block_stride: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    place: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class AgentMetadata(_Msg, tag="metadata"):

@@ -12,7 +12,9 @@ Modules (import from them; this package exports nothing):
   (``ReaderContext``, ``ItemResult``, ``ReadSetup``);
 - one module per read strategy: :mod:`.staged` (staging buffers, unpack),
   :mod:`.direct` (straight into our blocks), :mod:`.same_host` (we copy the
-  server's blocks ourselves, early or on its grant board's word);
+  server's blocks ourselves, on its grant board's word or after its go);
+- :mod:`.inline`: the same-host copy on the board's word made on the thread
+  calling ``start_read``, before a job reaches the loop;
 - :mod:`.copier`: ``process_vm_readv`` copies out of a server on this host;
 - :mod:`.tokens`: which tokens land where (``TokenWindow``).
 

@@ -13,9 +13,14 @@ costs one, and the reader splits it over ``AgentConfig.copy_threads`` threads.
 - ``Copier`` / ``CopyRun``: one copy shared out in pieces over the loop thread
   and helper threads.
 
-The read strategy that uses them (asking the server, copying early, the
-board's word) is ``same_host.py``. A dead server is an ``ESRCH`` error here,
-never an abort (unlike UCX's own ``cma`` with peer error handling off).
+The reads that use them are ``same_host.py`` (on the loop: the board's word,
+or asking the server) and ``inline.py`` (on the caller's thread). A dead server
+is an ``ESRCH`` error here, never an abort (unlike UCX's own ``cma`` with peer
+error handling off).
+
+A little over 400 lines: ``CopySource`` (who the server is, its board, one
+``process_vm_readv``) and the shared-out copy both work on the same iovec rows
+and errors; split, the copy would reach into the source's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -47,11 +52,14 @@ from kvbridge.transfer.protocol.grant_board import (
 )
 from kvbridge.transfer.protocol.host import host_identity
 
-__all__ = ["Copier", "CopyRefusedError", "CopyRun", "CopySource", "IovArray"]
+__all__ = [
+    "IOV_MAX", "WINDOW_NBYTES", "WINDOW_OFFSETS", "WINDOW_ROWS", "Copier", "CopyRefusedError",
+    "CopyRun", "CopySource", "IovArray",
+]
 
 logger = logging.getLogger(__name__)
 
-_IOV_MAX = 1024  # iovec entries per process_vm_readv call (Linux UIO_MAXIOV)
+IOV_MAX = 1024  # iovec entries per process_vm_readv call (Linux UIO_MAXIOV)
 _ROW_NBYTES = 16  # one struct iovec
 #: Below this many bytes per thread a copy is not split (a thread hop costs ~50 us).
 MIN_PART_NBYTES = 4 << 20
@@ -61,6 +69,13 @@ _MAX_PIECE_NBYTES = 8 << 20  # ~1 ms inside the kernel, where it is not preempte
 _LOOP_SLICE_S = 0.005  # the loop thread copies this long at most before it yields
 
 IovArray = npt.NDArray[np.uint64]  # struct iovec[n]: (address, length) rows
+#: A grant's window of the server's board: ``WINDOW`` slots, each as two rows (its
+#: seq first, then the rest: the kernel copies rows in order, see ``grant_board.py``).
+WINDOW_ROWS = 2 * WINDOW
+WINDOW_NBYTES = WINDOW * SLOT_NBYTES
+_WINDOW_LENGTHS = np.array([8, SLOT_NBYTES - 8] * WINDOW, dtype=np.uint64)
+WINDOW_OFFSETS = np.array([slot * SLOT_NBYTES + part for slot in range(WINDOW)
+                            for part in (0, 8)], dtype=np.uint64)
 
 
 class CopyRefusedError(TransferError):
@@ -88,6 +103,7 @@ class CopySource:
     def __init__(self, info: wire.HostInfo) -> None:
         self.pid = info.pid
         self._probe = info.probe
+        self.probe, self.probe_address = info.probe, info.probe_address  # for inline.py
         self._got = np.zeros(len(info.probe) + 8, dtype=np.uint8)  # the probe, a board seq
         self._got_iov = np.array([[self._got.ctypes.data, len(info.probe)],
                                   [self._got.ctypes.data + len(info.probe), 8]], dtype=np.uint64)
@@ -96,15 +112,14 @@ class CopySource:
         self._iov_pointers = (self._got_iov.ctypes.data, self._remote_iov.ctypes.data)
         # The grant board (``protocol/grant_board.py``), if the server offers one.
         self.board_address, self.board_slots = info.board_address, info.board_slots
-        self._window = np.zeros(WINDOW * SLOT_NBYTES, dtype=np.uint8)
-        self._window_local = np.array([[self._window.ctypes.data, self._window.size]],
-                                      dtype=np.uint64)
+        self._window = np.zeros(WINDOW_NBYTES, dtype=np.uint8)
+        self._window_local = self.window_local_rows(self._window)
         # Each slot's seq is its own iovec, copied before the rest of the slot.
-        self._window_remote = np.zeros((2 * WINDOW, 2), dtype=np.uint64)
-        self._window_remote[:, 1] = [8, SLOT_NBYTES - 8] * WINDOW
-        self._window_offsets = np.array(
-            [slot * SLOT_NBYTES + part for slot in range(WINDOW) for part in (0, 8)],
-            dtype=np.uint64)
+        self._window_remote = np.zeros((WINDOW_ROWS, 2), dtype=np.uint64)
+        self._window_remote[:, 1] = _WINDOW_LENGTHS
+        # The scratch arrays above are shared: the loop thread and a thread making
+        # a read on its own (``inline.py``) may use this source at once.
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, info: wire.HostInfo | None, peer: str) -> CopySource | None:
@@ -135,22 +150,25 @@ class CopySource:
             CopyRefusedError: the kernel refuses the copy.
         """
         assert _readv is not None
-        self._got[:] = 0
-        got_iov, remote_iov = self._iov_pointers
-        rows, want = 1, len(self._probe)
-        if spot is not None:
-            self._remote_iov[1, 0] = spot.seq_address
-            rows, want = 2, want + 8
-        got = _readv(self.pid, got_iov, rows, remote_iov, rows, 0)
-        if got != want:
+        num = len(self._probe)
+        with self._lock:
+            got_iov, remote_iov = self._iov_pointers
+            rows, want = 1, num
+            if spot is not None:
+                self._remote_iov[1, 0] = spot.seq_address
+                rows, want = 2, num + 8
+            got = _readv(self.pid, got_iov, rows, remote_iov, rows, 0)
             code = ctypes.get_errno() if got < 0 else 0
+            copied = self._got.tobytes()
+        probe, seq = copied[:num], int.from_bytes(copied[num:], "little")
+        if got != want:
             if code == errno.EPERM:
                 raise CopyRefusedError(f"copy from pid {self.pid}: {os.strerror(code)}")
             raise PeerClosedError(f"pid {self.pid} is no longer the server "
                                   f"({os.strerror(code) if code else 'short probe'})")
-        if self._got[: len(self._probe)].tobytes() != self._probe:
+        if probe != self._probe:
             raise PeerClosedError(f"pid {self.pid} is no longer the server (probe differs)")
-        return spot is None or int(self._got[len(self._probe) :].view(np.uint64)[0]) == spot.seq
+        return spot is None or seq == spot.seq
 
     def find_grant(self, token: str, block_ids: Sequence[int], prompt_digest: bytes,
                    place: int) -> BoardSpot | None:
@@ -164,15 +182,35 @@ class CopySource:
         if not self.board_slots:
             return None
         digest = token_digest(token)
-        start = self.board_address + home_slot(digest, self.board_slots) * SLOT_NBYTES
-        self._window_remote[:, 0] = self._window_offsets + np.uint64(start)
+        start = self.window_address(digest)
         assert _readv is not None
-        got = _readv(self.pid, self._window_local.ctypes.data, 1,
-                     self._window_remote.ctypes.data, 2 * WINDOW, 0)
-        if got != self._window.size:
+        with self._lock:
+            self.set_window_rows(self._window_remote, start)
+            got = _readv(self.pid, self._window_local.ctypes.data, WINDOW_ROWS,
+                         self._window_remote.ctypes.data, WINDOW_ROWS, 0)
+            window = self._window.tobytes()
+        if got != len(window):
             return None
-        return find_grant(self._window.tobytes(), start, digest, block_ids, prompt_digest,
-                          time.monotonic(), place)
+        return find_grant(window, start, digest, block_ids, prompt_digest, time.monotonic(),
+                          place)
+
+    def window_address(self, digest: bytes) -> int:
+        """Where the board window of a grant whose token has ``digest`` starts (the server's)."""
+        return self.board_address + home_slot(digest, self.board_slots) * SLOT_NBYTES
+
+    @staticmethod
+    def window_local_rows(window: npt.NDArray[np.uint8]) -> IovArray:
+        """Rows that take a board window into ``window`` (``WINDOW_NBYTES``), in window order."""
+        rows = np.empty((WINDOW_ROWS, 2), dtype=np.uint64)
+        rows[:, 0] = WINDOW_OFFSETS + np.uint64(window.ctypes.data)
+        rows[:, 1] = _WINDOW_LENGTHS
+        return rows
+
+    @staticmethod
+    def set_window_rows(remote: IovArray, start: int) -> None:
+        """Point the first ``WINDOW_ROWS`` rows of ``remote`` at the window at ``start``."""
+        np.add(WINDOW_OFFSETS, np.uint64(start), out=remote[:WINDOW_ROWS, 0])
+        remote[:WINDOW_ROWS, 1] = _WINDOW_LENGTHS
 
     def readv(self, local: IovArray, remote: IovArray) -> None:
         """Copy ``remote`` ranges of the server into ``local`` ones (row for row).
@@ -185,13 +223,13 @@ class CopySource:
             ProtocolError: a remote range is not mapped in the server (EFAULT), or
                 the copy came up short.
         """
-        for start in range(0, max(len(local), len(remote)), _IOV_MAX):
-            lo, re = local[start : start + _IOV_MAX], remote[start : start + _IOV_MAX]
+        for start in range(0, max(len(local), len(remote)), IOV_MAX):
+            lo, re = local[start : start + IOV_MAX], remote[start : start + IOV_MAX]
             self.readv_rows(lo.ctypes.data, len(lo), re.ctypes.data, len(re), int(lo[:, 1].sum()))
 
     def readv_rows(self, local_rows: int, num_local: int, remote_rows: int, num_remote: int,
                    want: int) -> None:
-        """One ``process_vm_readv`` of at most ``_IOV_MAX`` rows each side, by address.
+        """One ``process_vm_readv`` of at most ``IOV_MAX`` rows each side, by address.
 
         Raises:
             As ``readv``.
@@ -263,7 +301,7 @@ class CopyRun:
             nbytes = min(_MAX_PIECE_NBYTES,
                          max(_MIN_PIECE_NBYTES, (self._total - done) // self._share))
             end = int(np.searchsorted(self._ends, done + nbytes, side="left")) + 1
-            end = min(max(end, first + 1), first + _IOV_MAX, self._rows)
+            end = min(max(end, first + 1), first + IOV_MAX, self._rows)
             self._next_row = end
             self._busy += 1
             return first, end, int(self._ends[end - 1]) - done
@@ -311,40 +349,33 @@ class Copier:
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # ``start`` runs on the loop and inline
+        self._closed = False  # after ``close``: no helpers (a late inline copy works alone)
 
     def num_parts(self, nbytes: int) -> int:
         """How many threads a copy of ``nbytes`` is shared out over (1: the caller's alone)."""
         return max(1, min(self.threads, nbytes // MIN_PART_NBYTES))
 
-    def start(
-        self, source: CopySource, local: IovArray, remote: IovArray,
-        meanwhile: Callable[[], object] | None = None,
-    ) -> CopyRun:
+    def start(self, source: CopySource, local: IovArray, remote: IovArray) -> CopyRun:
         """Copy ``remote`` rows into ``local`` rows (row ``i`` of both has one length).
 
         A large copy is shared with helper threads, which start at once. This
-        thread then calls ``meanwhile`` (while they wake up) and copies pieces
-        for up to ``_LOOP_SLICE_S`` before it returns; ``finish`` does the rest.
-        If ``meanwhile`` raises, the copy is stopped and its error propagates.
-        Pass the result to ``finish`` or to ``abandon``. Otherwise never raises:
-        a copy error is kept for ``finish``.
+        thread then copies pieces for up to ``_LOOP_SLICE_S`` before it returns;
+        ``finish`` does the rest. Pass the result to ``finish`` or to ``abandon``.
+        Never raises: a copy error is kept for ``finish``.
         """
         rows = len(local)
         nbytes = int(local[:, 1].sum()) if rows else 0
         threads = max(1, min(rows, self.num_parts(nbytes)))
         run = CopyRun(source, local, remote, threads)
         if threads > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1,
-                                                thread_name_prefix="kvbridge-local-copy")
-            run.helpers = [self._pool.submit(run.work) for _ in range(threads - 1)]
+            with self._pool_lock:
+                if self._pool is None and not self._closed:
+                    self._pool = ThreadPoolExecutor(self.threads - 1,
+                                                    thread_name_prefix="kvbridge-local-copy")
+                if self._pool is not None:
+                    run.helpers = [self._pool.submit(run.work) for _ in range(threads - 1)]
             time.sleep(0)  # a helper needs the GIL to start its copy: let it have it now
-        if meanwhile is not None:
-            try:
-                meanwhile()
-            except BaseException:
-                self.abandon(run)
-                raise
         run.work(time.perf_counter() + _LOOP_SLICE_S)
         return run
 
@@ -373,6 +404,21 @@ class Copier:
             raise run.error
         return run.source.check(spot)
 
+    def copy_here(self, source: CopySource, local: IovArray, remote: IovArray) -> None:
+        """Copy on this thread, with helper threads for a large copy; block until done.
+
+        For a thread that may wait (``inline.py``): no slices, no yielding.
+        Returns only when no thread of ours writes into ``local`` any more.
+
+        Raises:
+            The errors of ``CopySource.readv``.
+        """
+        run = self.start(source, local, remote)
+        run.work()
+        run.wait_idle()
+        if run.error is not None:
+            raise run.error
+
     @staticmethod
     def abandon(run: CopyRun) -> None:
         """Stop ``run`` and wait (blocking) until no piece of it is being copied."""
@@ -385,6 +431,8 @@ class Copier:
 
     def close(self) -> None:
         """Stop the helper threads (a copy under way finishes first)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._pool_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -47,6 +47,7 @@ from kvbridge.transfer.errors import (
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.reading.direct import DirectRead
+from kvbridge.transfer.reading.jobs import ReadJob
 from kvbridge.transfer.reading.same_host import SameHostCopy, SameHostPeer
 from kvbridge.transfer.reading.staged import StagedRead
 from kvbridge.transfer.reading.strategy import (
@@ -79,7 +80,7 @@ class PeerLink:
         self._error: TransferError | None = None
         self.num_received = 0  # control messages from the server: proof of life
         # Set when the server is on this host and lets us copy from it (same_host.py).
-        self.same_host = (SameHostPeer.open(meta.host, conn.peer)
+        self.same_host = (SameHostPeer.open(meta, conn.peer)
                           if ctx.copier is not None else None)
         self._tasks = [
             asyncio.create_task(self._dispatch()),
@@ -345,20 +346,22 @@ class PeerLink:
             ProtocolError: the server's sizes disagree with ours (link killed).
             PeerTimeoutError, PeerClosedError: the server went silent or away.
         """
-        begun = self.begin(item, grant, remote_block_ids, local_block_ids, num_tokens,
-                           first_token, prompt_digest)
-        return await self.finish(begun)
+        setup = prepare(self.meta, self._ctx, self._xfer_ids, item, grant, remote_block_ids,
+                        local_block_ids, num_tokens, first_token, prompt_digest)
+        return await self.finish(self.begin(setup))
 
-    def begin(
-        self,
-        item: RemoteRead,
-        grant: str,
-        remote_block_ids: Sequence[int],
-        local_block_ids: Sequence[int],
-        num_tokens: int,
-        first_token: int = 0,
-        prompt_digest: bytes = b"",
-    ) -> BegunRead:
+    def prepare(self, item: RemoteRead, job: ReadJob) -> ReadSetup:
+        """``job``'s read of ``item`` as a strategy takes it (``strategy.prepare``), with
+        a fresh xfer id of this link. Any thread (``inline.py`` calls it off the loop).
+
+        Raises:
+            ConfigError: as ``read``.
+        """
+        return prepare(self.meta, self._ctx, self._xfer_ids, item, job.grant,
+                       job.remote_block_ids, job.local_block_ids, job.num_tokens,
+                       job.first_token, job.prompt_digest)
+
+    def begin(self, setup: ReadSetup) -> BegunRead:
         """The part of ``read`` that needs no waiting; pass the result to ``finish``.
 
         A direct read is under way when this returns (receives posted or a copy
@@ -366,15 +369,14 @@ class PeerLink:
         ``abandon``.
 
         Raises:
-            ConfigError, TransferError: as ``read``.
+            TransferError: as ``read``.
         """
-        setup = prepare(self.meta, self._ctx, self._xfer_ids, item, grant, remote_block_ids,
-                        local_block_ids, num_tokens, first_token, prompt_digest)
         return self._strategy(setup).begin(self, setup)
 
     def _strategy(self, setup: ReadSetup) -> type[BegunRead]:
         """Staged unless both caches store the blocks alike; then direct, or a
-        same-host copy when the server is on this host and the read is large."""
+        same-host copy when the server is on this host (and the read is at least
+        ``local_copy_min_nbytes``)."""
         if setup.span is None:
             return StagedRead
         cfg = self._ctx.config

@@ -2,8 +2,11 @@
 
 ``Reads`` lives on the agent's event loop (``agent.py`` submits jobs with
 ``call_soon_threadsafe``); the engine thread collects outcomes through the
-``take_*`` methods, which are guarded by a lock. One job = one request from
-one remote engine::
+``take_*`` methods, which are guarded by a lock. Before a job is submitted,
+``read_inline`` tries it on the caller's thread (``inline.py``: a same-host copy
+on the grant board's word over a link and plan this object already holds); a
+job made there is only recorded here, and its done report sent by the loop. One
+job = one request from one remote engine::
 
     link to remote rank 0 (learn its topology) -> build_read_plan
     -> for each plan item, in parallel: link to that rank -> read (or notify only)
@@ -61,6 +64,7 @@ from kvbridge.transfer.errors import (
 )
 from kvbridge.transfer.local_kv import topology_of
 from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.reading.inline import InlineReader
 from kvbridge.transfer.reading.jobs import ReadJob, ReadStats
 from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext
@@ -91,6 +95,8 @@ class Reads:
         self._ctx = ctx
         self._on_outcome = on_outcome
         self._worker = worker
+        self._loop = asyncio.get_running_loop()
+        self._inline = InlineReader()
         self.reader_id = reader_id
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._opening: dict[tuple[str, int], asyncio.Task[PeerLink]] = {}
@@ -124,6 +130,39 @@ class Reads:
             stats, self._stats = self._stats, []
             return stats
 
+    def read_inline(self, job: ReadJob) -> bool:
+        """Make ``job``'s read on this thread if the server's board allows it (``inline.py``).
+
+        True: done, its outcome recorded and its done report handed to the loop.
+        False: nothing recorded; ``submit`` it. Any thread.
+        """
+        route = self._single_route(job)
+        if route is None:
+            return False
+        try:
+            result = self._inline.read(*route, job)
+        except (TransferError, KVBridgeError):  # the usual path reports it
+            return False
+        if result is None:
+            return False
+        self._record(job, [result], [], 1)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the lease ends it
+            self._loop.call_soon_threadsafe(self._notify_later, route[0], job.grant,
+                                            result.nbytes)
+        return True
+
+    def _single_route(self, job: ReadJob) -> tuple[PeerLink, RemoteRead] | None:
+        """The live link and plan item of a job whose cached plan has one item to read."""
+        first = self._links.get((job.engine_id, 0))
+        plan = self._plans.get(first) if first is not None and first.alive else None
+        if job.notify_only or plan is None or len(plan.items) != 1 or not plan.items[0].read:
+            return None
+        item = plan.items[0]
+        link = self._links.get((job.engine_id, item.remote_rank))
+        if link is None or not link.alive or not job.has_port(item.remote_rank):
+            return None
+        return link, item
+
     # ---------------------------------------------------------------- loop thread
     def submit(self, job: ReadJob) -> None:
         cached = self._cached_links(job.engine_id)  # before begin: it may kill a link
@@ -145,17 +184,12 @@ class Reads:
         receives posted and its request on the wire one event-loop pass sooner.
         None: the task does everything, as for any other job.
         """
-        first = self._links.get((job.engine_id, 0))
-        plan = self._plans.get(first) if first is not None and first.alive else None
-        if job.notify_only or plan is None or len(plan.items) != 1 or not plan.items[0].read:
+        route = self._single_route(job)
+        if route is None:
             return None
-        item = plan.items[0]
-        link = self._links.get((job.engine_id, item.remote_rank))
-        if link is None or not link.alive or not job.has_port(item.remote_rank):
-            return None
+        link, item = route
         try:
-            begun = link.begin(item, job.grant, job.remote_block_ids, job.local_block_ids,
-                               job.num_tokens, job.first_token, job.prompt_digest)
+            begun = link.begin(link.prepare(item, job))
         except (TransferError, KVBridgeError):  # the task runs it again and reports
             return None
         return link, begun
@@ -282,10 +316,7 @@ class Reads:
         renewer: list[asyncio.Task[None]] = []
         due: asyncio.TimerHandle | None = None
         try:
-            begun = started[1] if started is not None else link.begin(
-                item, job.grant, job.remote_block_ids, job.local_block_ids, job.num_tokens,
-                job.first_token, job.prompt_digest,
-            )
+            begun = started[1] if started is not None else link.begin(link.prepare(item, job))
             xfer_id = begun.request.xfer_id
             due = asyncio.get_running_loop().call_later(
                 self._ctx.config.renew_every_s,

@@ -1,11 +1,12 @@
 """The same-host copy: we copy the server's blocks out of its memory ourselves.
 
-For direct reads (``direct.py``'s conditions) of ``AgentConfig.local_copy_min_nbytes``
-(8 MiB) and more from a server on this host that offered it (``protocol/host.py``):
-below that size, UCX's shared memory with both processes copying at once is as
-fast. Besides the speed, a copy costs the server's process no CPU per byte,
-where UCX's shared memory makes it copy every byte into its FIFO. The copy
-itself is ``copier.py``'s.
+For direct reads (``direct.py``'s conditions) from a server on this host that
+offered it (``protocol/host.py``), of ``AgentConfig.local_copy_min_nbytes`` (0:
+any size) and more. One copy beats UCX's shared memory, where the server copies
+every byte into a FIFO and the reader out of it; and it costs the server's process
+no CPU per byte. The copy itself is ``copier.py``'s. Most such reads never get
+here: ``inline.py`` makes them on the caller's thread on the grant board's word;
+this module serves those it cannot (no board, a grant not on it, a large read).
 
 The server still decides what may be read: the reader asks as for any direct
 read, and the server checks the grant, pins it and answers ``CopyGo`` (where
@@ -18,20 +19,20 @@ server may have handed back to its engine::
     reader: t0 send ReadRequest ........ copy ....... t1   keep iff t1 - t0 < hold_s
     server:      recv, pin ----------------- hold_s ------------> unpin
 
-Early variant: the copy need not wait for the go. A grant's blocks do not
-change from its issue (after the prefill wrote them, before D learns the token)
-to its release, so when an earlier go of the same shape (layers, heads) told
-where the blocks sit, the reader copies while the server checks, and keeps the
-bytes only if the go, when it comes, confirms the grant and the same place.
-
 Without asking: a round trip through the server's loop costs time, and on a
 busy host the server may wait for a core until the reader's own copy threads
 leave one. So the server also publishes its live grants on a *grant board* in
-its memory (``protocol/grant_board.py``): once a go of the read's shape told
-where the blocks sit, a reader that finds its grant on the board copies without
-asking at all, and keeps the bytes if the board still says the same after the
-copy (a sequence lock: the server takes a grant off before it hands its blocks
-back). The serving half is ``serving/copy_hold.py``.
+its memory (``protocol/grant_board.py``): once the handshake's map of the
+server's planes or a go of the read's shape told where the blocks sit, a reader
+that finds its grant on the board copies without asking at all, and keeps the
+bytes if the board still says the same after the copy (a sequence lock: the
+server takes a grant off before it hands its blocks back). Most such reads are
+made before they reach this module, on the caller's thread (``inline.py``).
+
+Nothing is copied before the board or a go said yes (an earlier version copied
+while the server checked): a grant for another prompt, or without one of the
+blocks, must not land a byte in the reader's cache even if the read then fails.
+The serving half is ``serving/copy_hold.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbridge.transfer.blocks.ranges import HeadSpan, block_offsets, num_planes, plane_ranges
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.blocks.ranges import (
+    HeadSpan,
+    block_offsets,
+    num_planes,
+    plane_ranges,
+    span_of,
+)
 from kvbridge.transfer.errors import (
     PeerClosedError,
     PeerTimeoutError,
@@ -52,6 +60,7 @@ from kvbridge.transfer.errors import (
     RejectedError,
     TransferError,
 )
+from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import BoardSpot
 from kvbridge.transfer.reading.copier import Copier, CopyRefusedError, CopyRun, CopySource, IovArray
@@ -61,9 +70,10 @@ from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReadSetup
 if TYPE_CHECKING:
     from kvbridge.transfer.reading.link import PeerLink
 
-__all__ = ["SameHostCopy", "SameHostPeer"]
+__all__ = ["CopyShape", "SameHostCopy", "SameHostPeer", "copy_shape", "local_ranges",
+           "remote_ranges"]
 
-CopyShape = tuple[int, int, int, int]  # layers and heads of a read (``_copy_shape``)
+CopyShape = tuple[int, int, int, int]  # layers and heads of a read (``copy_shape``)
 
 
 @dataclass(slots=True)
@@ -71,13 +81,30 @@ class SameHostPeer:
     """A link's server as a process on this host we may copy from (one per link)."""
 
     source: CopySource
+    meta: wire.AgentMetadata
     gos: dict[CopyShape, wire.CopyGo] = field(default_factory=dict)  # the last, by shape
 
     @classmethod
-    def open(cls, info: wire.HostInfo | None, peer: str) -> SameHostPeer | None:
-        """The server offering ``info`` if we can copy from it, else None (see ``CopySource``)."""
-        source = CopySource.open(info, peer)
-        return cls(source) if source is not None else None
+    def open(cls, meta: wire.AgentMetadata, peer: str) -> SameHostPeer | None:
+        """The server ``meta`` describes if it offers copies and we can copy from it,
+        else None (see ``CopySource``)."""
+        source = CopySource.open(meta.host, peer)
+        return cls(source, meta) if source is not None else None
+
+    def go_for(self, req: wire.ReadRequest) -> wire.CopyGo | None:
+        """Where ``req``'s blocks sit as far as we know: the last go of its shape, else
+        the handshake's map of the server's planes (``HostInfo.origins``); None: ask.
+
+        Only a guess until the server's grant board or its go confirms the place
+        (a copy by it is kept only then). Any thread may call it.
+        """
+        shape = copy_shape(req)
+        go = self.gos.get(shape)
+        if go is None:
+            go = _handshake_go(self.meta, req)
+            if go is not None:
+                go = self.gos.setdefault(shape, go)
+        return go
 
 
 class SameHostCopy(BegunRead):
@@ -85,7 +112,7 @@ class SameHostCopy(BegunRead):
 
     def __init__(
         self, link: PeerLink, setup: ReadSetup, peer: SameHostPeer, local_iov: IovArray,
-        span: HeadSpan, result: ItemResult, guess: wire.CopyGo | None,
+        span: HeadSpan, result: ItemResult,
     ) -> None:
         super().__init__(link, setup)
         self.key = ("data", setup.request.xfer_id)  # of the reply in the link's waiters
@@ -96,35 +123,28 @@ class SameHostCopy(BegunRead):
         self.local_iov = local_iov
         self.span = span
         self.result = result
-        self.guess = guess  # an earlier go of this shape, copied from early
-        self.early: CopyRun | None = None  # that copy, started by ``begin``
+        self.early: CopyRun | None = None  # a copy on the board's word, started by ``begin``
         self.spot: BoardSpot | None = None  # where the board said yes: copied without asking
         self.answered = False  # the server pinned the grant for us: say CopyDone
 
     @classmethod
     def begin(cls, link: PeerLink, setup: ReadSetup) -> SameHostCopy:
-        """Start a same-host copy: on the board's word, or asked for (at once if we can).
+        """Start a same-host copy: on the board's word, or asked for.
 
-        Where an earlier go of this shape (layers, heads) told where the blocks
-        sit, the copy starts now: without asking at all if the server's grant
-        board says the grant is live and holds the blocks, else while the server
-        checks, since the blocks of a grant it is about to confirm have not
-        changed since the grant was issued (they change only after its
-        release): such a copy is kept if the go places the blocks where it
-        copied from (``finish``).
+        Where the handshake or an earlier go of this shape (layers, heads) told
+        where the blocks sit and the server's grant board says the grant is
+        live and holds the blocks, the copy starts now, without asking at all.
+        Otherwise the server is asked and the copy waits for its go.
         """
         ctx, item, span, peer = link.ctx, setup.item, setup.span, link.same_host
         assert span is not None and peer is not None and ctx.copier is not None
         nbytes = setup.direct_nbytes(ctx.local)
         request = direct_request(ctx, setup.request, item, local_copy=True)
         setup.request = request
-        ids = np.asarray(setup.direct_block_ids, dtype=np.int64)
-        layers = slice(item.local_layers.start, item.local_layers.stop)
-        offsets = block_offsets(ids, ctx.local.plane_block_nbytes, span.offset)
-        local_iov = plane_ranges(ctx.local.plane_origins(layers), offsets, span.nbytes)
+        local_iov = local_ranges(ctx.local, setup, span)
         result = ItemResult(nbytes, 3, direct=True, local_copy=True)
-        guess = peer.gos.get(_copy_shape(request))
-        copy = cls(link, setup, peer, local_iov, span, result, guess)
+        guess = peer.go_for(request)
+        copy = cls(link, setup, peer, local_iov, span, result)
         source = copy.source
         if guess is not None:
             copy.spot = source.find_grant(request.grant, request.block_ids,
@@ -132,17 +152,11 @@ class SameHostCopy(BegunRead):
             if copy.spot is not None:
                 copy.early = ctx.copier.start(source, local_iov, copy._remote_ranges(guess))
                 return copy
-        # Ask first, unless helper threads can start copying while we ask.
-        ask_first = guess is None or ctx.copier.num_parts(nbytes) == 1
+        # Not on the board: ask, and copy only after the go. Never copy before someone
+        # said yes: a grant for another prompt (or other blocks) must not land a byte.
         link.claim(copy.key, copy.reply)
         try:
-            if ask_first:
-                link.post(request)
-            if guess is not None:
-                copy.early = ctx.copier.start(
-                    source, local_iov, copy._remote_ranges(guess),
-                    meanwhile=None if ask_first else lambda: link.post(request),
-                )
+            link.post(request)
         except BaseException:
             link.forget(copy.key, copy.reply)
             raise
@@ -163,40 +177,35 @@ class SameHostCopy(BegunRead):
         return self.result
 
     async def finish(self) -> ItemResult:
-        """Finish the early copy or copy after the go; check the hold; say ``CopyDone``.
+        """Finish the copy on the board's word, or copy after the go; check the hold;
+        say ``CopyDone``.
 
         A copy on the board's word is kept if the board still says the same
-        after it (else the server is asked). The bytes of an early copy are kept
-        only if the go places the blocks where it copied from; nothing else is
-        kept without a go.
+        after it (else the server is asked); nothing else is copied without a go.
         """
         link = self.link
         copier = link.ctx.copier
         assert copier is not None
         ok = False
         try:
-            copied = None
-            if self.early is not None:
+            if self.early is not None:  # on the board's word
                 with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
                     early, self.early = self.early, None
                     if early.helpers:  # our helpers copy on: spinning would take their core
                         link.conn.stop_spinning()
                     if await copier.finish(early, self.spot):
-                        copied = self.guess
+                        ok = True
+                        self.result.unasked = True
+                        return self.result
             if self.spot is not None:
-                if copied is not None:
-                    ok = True
-                    self.result.unasked = True
-                    return self.result
                 self._ask()  # the grant changed meanwhile, or the copy failed
             go = await self._copy_go()
-            if copied is None or _place(go) != _place(copied):  # new shape, or blocks moved
-                await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
+            await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
             took_s = time.monotonic() - self.started
             if took_s >= go.hold_s:  # the server may have handed the blocks back
                 raise PeerTimeoutError(f"same-host copy from {link.peer} took "
                                        f"{took_s:.3f}s, past the server's hold of {go.hold_s}s")
-            self.peer.gos[_copy_shape(self.request)] = go
+            self.peer.gos[copy_shape(self.request)] = go
             ok = True
         except CopyRefusedError:
             link.drop_same_host()  # the kernel said no: this link reads through UCX now
@@ -269,18 +278,48 @@ class SameHostCopy(BegunRead):
 
     def _remote_ranges(self, go: wire.CopyGo) -> IovArray:
         """The server's ranges for this copy per ``go`` (checked), row for row with ours."""
-        req = self.request
-        origins = np.frombuffer(go.origins, dtype=np.uint64)
-        offsets = block_offsets(np.asarray(req.block_ids, dtype=np.int64), go.block_stride,
-                                go.span_offset)
-        return plane_ranges(origins, offsets, go.span_nbytes)
+        return remote_ranges(self.request, go)
 
 
-def _place(go: wire.CopyGo) -> tuple[bytes, int, int, int]:
-    """Where a go says the blocks are (all of it but the read's id and hold)."""
-    return go.origins, go.block_stride, go.span_offset, go.span_nbytes
+def local_ranges(local: LocalKV, setup: ReadSetup, span: HeadSpan) -> IovArray:
+    """Our ranges of a same-host copy of ``setup``'s item (row for row with ``remote_ranges``)."""
+    ids = np.asarray(setup.direct_block_ids, dtype=np.int64)
+    layers = slice(setup.item.local_layers.start, setup.item.local_layers.stop)
+    offsets = block_offsets(ids, local.plane_block_nbytes, span.offset)
+    return plane_ranges(local.plane_origins(layers), offsets, span.nbytes)
 
 
-def _copy_shape(req: wire.ReadRequest) -> CopyShape:
+def remote_ranges(req: wire.ReadRequest, go: wire.CopyGo) -> IovArray:
+    """The server's ranges of ``req``'s blocks where ``go`` says they are."""
+    origins = np.frombuffer(go.origins, dtype=np.uint64)
+    offsets = block_offsets(np.asarray(req.block_ids, dtype=np.int64), go.block_stride,
+                            go.span_offset)
+    return plane_ranges(origins, offsets, go.span_nbytes)
+
+
+def _handshake_go(meta: wire.AgentMetadata, req: wire.ReadRequest) -> wire.CopyGo | None:
+    """A go for ``req`` made from the server's handshake (``HostInfo.origins``), or None
+    when the handshake has no map or the read does not fit it."""
+    info = meta.host
+    if info is None or not info.origins or not info.block_stride:
+        return None
+    planes = 1 if meta.is_mla or meta.fused_kv else 2
+    if (len(info.origins) != 8 * planes * meta.num_layers
+            or not 0 <= req.layer_start < req.layer_end <= meta.num_layers):
+        return None
+    try:
+        layout = KVLayout.parse(meta.layout)
+    except ValueError:
+        return None
+    span = span_of(layout, meta.is_mla, meta.block_size, meta.num_heads,
+                   meta.head_dim * meta.elem_nbytes, req.head_start, req.head_end)
+    if span is None or span.nbytes < 1:
+        return None
+    origins = info.origins[8 * planes * req.layer_start : 8 * planes * req.layer_end]
+    return wire.CopyGo(req.xfer_id, origins, info.block_stride, span.offset, span.nbytes,
+                       hold_s=1.0, place=info.place)
+
+
+def copy_shape(req: wire.ReadRequest) -> CopyShape:
     """What a go's fields depend on besides the server's memory: layers and heads."""
     return req.layer_start, req.layer_end, req.head_start, req.head_end

@@ -1,0 +1,165 @@
+"""Reads made on the caller's thread (``transfer/reading/inline.py``), two agents in this process.
+
+A server and a reader ``TransferAgent`` in one process are on one host: the
+reader copies out of its own process on the server's grant board's word. The
+tests reach into the read (between the board's first look and the copy) to
+revoke a grant or move the server's blocks, and check that the bytes are then
+never kept on the board's word; and that what the board refuses lands nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.transfer.agent import TransferAgent
+from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.reading import inline
+from kvbridge.transfer.reading.jobs import ReadStats
+from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process_vm_readv is Linux's")
+
+CONFIG = AgentConfig(reply_timeout_s=5.0, read_timeout_s=20.0, lease_s=30.0)
+
+
+@pytest.fixture
+def agents() -> Iterator[tuple[TransferAgent, TransferAgent, list[torch.Tensor],
+                               list[torch.Tensor]]]:
+    server = TransferAgent("p-inline", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
+    reader = TransferAgent("d-inline", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
+    p_caches, d_caches = caches(3), caches(None)
+    server.register_kv_caches(p_caches)
+    reader.register_kv_caches(d_caches)
+    server.start()
+    reader.start()
+    try:
+        yield server, reader, p_caches, d_caches
+    finally:
+        reader.close()
+        server.close()
+
+
+def read_now(server: TransferAgent, reader: TransferAgent, request_id: str, blocks: list[int],
+             local: list[int]) -> tuple[set[str], ReadStats]:
+    """Issue, ``start_read``, and what ``get_finished`` said right after it; then the stats."""
+    token = server.issue_grant(request_id, blocks, 1).token
+    reader.start_read(request_id, engine_id="p-inline", host="127.0.0.1", port=server.port,
+                      remote_block_ids=blocks, local_block_ids=local, grant=token,
+                      num_tokens=BLOCK_SIZE * len(blocks))
+    finished = set(reader.get_finished()[1])
+    if request_id not in finished:
+        wait_until(lambda: request_id in reader.get_finished()[1], 10.0,
+                   message=f"read {request_id}")
+    got: list[ReadStats] = []
+    wait_until(lambda: bool(got.extend(reader.get_stats()) or got), 5.0, message="stats")
+    [stats] = [s for s in got if s.request_id == request_id]
+    return finished, stats
+
+
+def same(p_caches: list[torch.Tensor], blocks: list[int], d_caches: list[torch.Tensor],
+         local: list[int]) -> bool:
+    return all(torch.equal(p[:, blocks], d[:, local]) for p, d in zip(p_caches, d_caches,
+                                                                       strict=True))
+
+
+def test_a_read_on_the_boards_word_is_made_in_start_read(agents: tuple) -> None:
+    server, reader, p_caches, d_caches = agents
+    read_now(server, reader, "link", [1, 2], [3, 4])  # opens the link on the loop
+    for n, (blocks, local) in enumerate([([5, 9, 7], [10, 11, 12]), ([5, 9, 7], [10, 11, 12]),
+                                         ([20, 1], [2, 30])]):
+        p_caches[0][:, blocks] += 1  # new bytes between reads of the same blocks
+        finished, stats = read_now(server, reader, f"now-{n}", blocks, local)
+        assert f"now-{n}" in finished  # done by the time start_read returned
+        assert stats.ok and (stats.num_direct, stats.num_local_copies) == (1, 1), stats
+        assert same(p_caches, blocks, d_caches, local)
+    wait_until(lambda: len(server.grants) == 0, 5.0, message="done reports")  # sent later
+    assert server.counters().num_board_copies == 4
+
+
+@pytest.mark.parametrize("what", ["revoked", "moved"])
+def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
+    agents: tuple, monkeypatch: pytest.MonkeyPatch, what: str,
+) -> None:
+    """Between the board's first look and the copy the server revokes the grant (its
+    blocks go back) or its caches move: the seq read after the copy differs, the
+    inline copy is dropped, and the read goes to the loop, which asks the server. A revoked grant is
+    refused there (typed, blocks failed); moved caches are copied from their new place."""
+    server, reader, p_caches, d_caches = agents
+    read_now(server, reader, "link", [1, 2], [3, 4])
+    real_find = inline.find_grant
+    changed: list[str] = []
+
+    def find_then_change(*args: Any) -> Any:
+        spot = real_find(*args)
+        if spot is not None and not changed:  # the board said yes; the copy comes next
+            changed.append(what)
+            if what == "revoked":
+                assert server.grants.revoke("changed")
+            else:  # the board withdraws every grant published while the caches were elsewhere
+                for n, layer in enumerate(p_caches):
+                    p_caches[n] = layer.clone()
+                    server._local.layers[n] = p_caches[n]  # type: ignore[union-attr]
+                assert server.grants.refresh_board() == 1
+        return spot
+
+    monkeypatch.setattr(inline, "find_grant", find_then_change)
+    finished, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
+    assert changed == [what] and "changed" not in finished  # not kept inline
+    if what == "revoked":
+        assert not stats.ok and "RejectedError" in stats.error, stats
+        assert reader.get_failed_block_ids() == {"changed": {12, 13}}
+    else:
+        assert stats.ok, stats
+        assert same(p_caches, [6, 8], d_caches, [12, 13])
+    assert server.counters().num_board_copies == 1  # "link" only
+
+
+def test_prepared_copies_follow_the_servers_go(agents: tuple) -> None:
+    """A read repeated with the same blocks reuses its prepared ranges; they are kept per
+    link, so a reader of two servers never copies from one where the other's go said."""
+    server, reader, p_caches, d_caches = agents
+    other = TransferAgent("p-other", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
+    o_caches = caches(9)
+    other.register_kv_caches(o_caches)
+    other.start()
+    try:
+        for agent, data in [(server, p_caches), (other, o_caches), (server, p_caches)]:
+            for n in range(2):
+                token = agent.issue_grant(f"{agent.engine_id}-{n}-{time.monotonic()}",
+                                          [3, 4], 1)
+                reader.start_read(token.request_id, engine_id=agent.engine_id,
+                                  host="127.0.0.1", port=agent.port, remote_block_ids=[3, 4],
+                                  local_block_ids=[5, 6], grant=token.token,
+                                  num_tokens=2 * BLOCK_SIZE)
+                wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
+                           message="read")
+                assert reader.get_failed_block_ids() == {}
+                assert same(data, [3, 4], d_caches, [5, 6])
+    finally:
+        other.close()
+    assert np.sum([s.num_local_copies for s in reader.get_stats()]) == 6
+
+
+@pytest.mark.parametrize("case", ["prompt", "outside"])
+def test_a_read_the_board_does_not_allow_copies_nothing(agents: tuple, case: str) -> None:
+    """The board is read before a byte is copied: a read naming another prompt, or a
+    block outside its grant, leaves our blocks as they were (and the server refuses it)."""
+    server, reader, _, d_caches = agents
+    read_now(server, reader, "link", [1, 2], [3, 4])
+    granted = b"the granted prompt"
+    token = server.issue_grant("bound", [6, 8], 1, prompt_digest=granted).token
+    blocks, prompt = ([6, 8], b"another prompt") if case == "prompt" else ([6, 9], granted)
+    reader.start_read("bound", engine_id="p-inline", host="127.0.0.1", port=server.port,
+                      remote_block_ids=blocks, local_block_ids=[12, 13], grant=token,
+                      num_tokens=2 * BLOCK_SIZE, prompt_digest=prompt)
+    wait_until(lambda: "bound" in reader.get_finished()[1], 10.0, message="read")
+    assert reader.get_failed_block_ids() == {"bound": {12, 13}}
+    assert not any(layer[:, [12, 13]].any() for layer in d_caches)
