@@ -90,8 +90,9 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
 ) -> None:
     """Between the board's first look and the copy the server revokes the grant (its
     blocks go back) or its caches move: the seq read after the copy differs, the
-    inline copy is dropped, and the read goes to the loop, which asks the server. A revoked grant is
-    refused there (typed, blocks failed); moved caches are copied from their new place."""
+    inline copy is dropped (and zeroed), and the read goes to the loop, which asks the
+    server. A revoked grant is refused there (typed, blocks failed, nothing left in
+    them); moved caches are copied from their new place."""
     server, reader, p_caches, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
     real_find = inline.find_grant
@@ -116,6 +117,8 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     if what == "revoked":
         assert not stats.ok and "RejectedError" in stats.error, stats
         assert reader.get_failed_block_ids() == {"changed": {12, 13}}
+        # the copy made before the revoke was noticed is not left behind
+        assert not any(layer[:, [12, 13]].any() for layer in d_caches)
     else:
         assert stats.ok, stats
         assert same(p_caches, [6, 8], d_caches, [12, 13])

@@ -54,7 +54,7 @@ from kvbridge.transfer.protocol.host import host_identity
 
 __all__ = [
     "IOV_MAX", "WINDOW_NBYTES", "WINDOW_OFFSETS", "WINDOW_ROWS", "Copier", "CopyRefusedError",
-    "CopyRun", "CopySource", "IovArray",
+    "CopyRun", "CopySource", "IovArray", "zero_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,13 @@ WINDOW_NBYTES = WINDOW * SLOT_NBYTES
 _WINDOW_LENGTHS = np.array([8, SLOT_NBYTES - 8] * WINDOW, dtype=np.uint64)
 WINDOW_OFFSETS = np.array([slot * SLOT_NBYTES + part for slot in range(WINDOW)
                             for part in (0, 8)], dtype=np.uint64)
+
+
+def zero_rows(rows: IovArray) -> None:
+    """Zero our memory that ``rows`` name: a copy that was not kept (the server's blocks
+    may have gone to another request while it ran) leaves nothing behind."""
+    for address, nbytes in rows.tolist():
+        ctypes.memset(address, 0, nbytes)
 
 
 class CopyRefusedError(TransferError):

@@ -32,9 +32,9 @@ that is not direct, a server on another host, a grant not on the board (or
 changed meanwhile), a read larger than ``AgentConfig.inline_copy_max_nbytes``
 (the caller waits for it) or smaller than ``local_copy_min_nbytes``, or a failed
 copy (a dead server is ``ESRCH``; the usual path then fails the read with its
-typed error). A copy that is not kept
-may have written into the read's own blocks, which nobody else uses until the
-read ends: the usual path overwrites them.
+typed error). A copy that is not kept is zeroed in the read's own blocks (the
+server's blocks may have gone to another request meanwhile): a failed read
+never leaves bytes the grant did not cover.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from kvbridge.transfer.reading.copier import (
     CopyRefusedError,
     CopySource,
     IovArray,
+    zero_rows,
 )
 from kvbridge.transfer.reading.jobs import ReadJob
 from kvbridge.transfer.reading.same_host import (
@@ -211,15 +212,22 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
     if spot is None:
         return False
     local, remote = prepared.local, prepared.remote
-    if not prepared.whole:
-        assert link.ctx.copier is not None
-        link.ctx.copier.copy_here(source, local[:-2], remote[:-2])
-        return source.check(spot)  # False: the grant changed while we copied
-    remote[-2, 0] = spot.seq_address
-    rows = len(local)
-    source.readv_rows(local.ctypes.data, rows, remote.ctypes.data, rows,
-                      prepared.nbytes + len(prepared.tail))
-    tail = prepared.tail.tobytes()
-    if tail[8:] != source.probe:
-        raise PeerClosedError(f"pid {source.pid} is no longer the server (probe differs)")
-    return int.from_bytes(tail[:8], "little") == spot.seq  # else: changed while we copied
+    kept = False
+    try:
+        if not prepared.whole:
+            assert link.ctx.copier is not None
+            link.ctx.copier.copy_here(source, local[:-2], remote[:-2])
+            kept = source.check(spot)  # False: the grant changed while we copied
+            return kept
+        remote[-2, 0] = spot.seq_address
+        rows = len(local)
+        source.readv_rows(local.ctypes.data, rows, remote.ctypes.data, rows,
+                          prepared.nbytes + len(prepared.tail))
+        tail = prepared.tail.tobytes()
+        if tail[8:] != source.probe:
+            raise PeerClosedError(f"pid {source.pid} is no longer the server (probe differs)")
+        kept = int.from_bytes(tail[:8], "little") == spot.seq  # else: changed meanwhile
+        return kept
+    finally:
+        if not kept:  # the blocks may have gone to another request meanwhile: not its bytes
+            zero_rows(local[:-2])

@@ -63,7 +63,14 @@ from kvbridge.transfer.errors import (
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import BoardSpot
-from kvbridge.transfer.reading.copier import Copier, CopyRefusedError, CopyRun, CopySource, IovArray
+from kvbridge.transfer.reading.copier import (
+    Copier,
+    CopyRefusedError,
+    CopyRun,
+    CopySource,
+    IovArray,
+    zero_rows,
+)
 from kvbridge.transfer.reading.direct import direct_request
 from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReadSetup
 
@@ -198,6 +205,7 @@ class SameHostCopy(BegunRead):
                         self.result.unasked = True
                         return self.result
             if self.spot is not None:
+                zero_rows(self.local_iov)  # not kept: leave none of it behind
                 self._ask()  # the grant changed meanwhile, or the copy failed
             go = await self._copy_go()
             await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
