@@ -20,7 +20,7 @@ import torch
 
 from kvbridge.transfer.agent import TransferAgent
 from kvbridge.transfer.agent_config import AgentConfig
-from kvbridge.transfer.reading import inline
+from kvbridge.transfer.reading import copier
 from kvbridge.transfer.reading.jobs import ReadStats
 from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches
 from tests.waiting import wait_until
@@ -95,7 +95,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     them); moved caches are copied from their new place."""
     server, reader, p_caches, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
-    real_find = inline.find_grant
+    real_find = copier.find_grant
     changed: list[str] = []
 
     def find_then_change(*args: Any) -> Any:
@@ -111,7 +111,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
                 assert server.grants.refresh_board() == 1
         return spot
 
-    monkeypatch.setattr(inline, "find_grant", find_then_change)
+    monkeypatch.setattr(copier, "find_grant", find_then_change)
     finished, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
     assert changed == [what] and "changed" not in finished  # not kept inline
     if what == "revoked":

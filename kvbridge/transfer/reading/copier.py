@@ -53,8 +53,7 @@ from kvbridge.transfer.protocol.grant_board import (
 from kvbridge.transfer.protocol.host import host_identity
 
 __all__ = [
-    "IOV_MAX", "WINDOW_NBYTES", "WINDOW_OFFSETS", "WINDOW_ROWS", "Copier", "CopyRefusedError",
-    "CopyRun", "CopySource", "IovArray", "zero_rows",
+    "IOV_MAX", "Copier", "CopyRefusedError", "CopyRun", "CopySource", "IovArray", "zero_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,10 +70,10 @@ _LOOP_SLICE_S = 0.005  # the loop thread copies this long at most before it yiel
 IovArray = npt.NDArray[np.uint64]  # struct iovec[n]: (address, length) rows
 #: A grant's window of the server's board: ``WINDOW`` slots, each as two rows (its
 #: seq first, then the rest: the kernel copies rows in order, see ``grant_board.py``).
-WINDOW_ROWS = 2 * WINDOW
-WINDOW_NBYTES = WINDOW * SLOT_NBYTES
+_WINDOW_ROWS = 2 * WINDOW
+_WINDOW_NBYTES = WINDOW * SLOT_NBYTES
 _WINDOW_LENGTHS = np.array([8, SLOT_NBYTES - 8] * WINDOW, dtype=np.uint64)
-WINDOW_OFFSETS = np.array([slot * SLOT_NBYTES + part for slot in range(WINDOW)
+_WINDOW_OFFSETS = np.array([slot * SLOT_NBYTES + part for slot in range(WINDOW)
                             for part in (0, 8)], dtype=np.uint64)
 
 
@@ -109,8 +108,7 @@ class CopySource:
 
     def __init__(self, info: wire.HostInfo) -> None:
         self.pid = info.pid
-        self._probe = info.probe
-        self.probe, self.probe_address = info.probe, info.probe_address  # for inline.py
+        self.probe, self.probe_address = info.probe, info.probe_address  # who the server is
         self._got = np.zeros(len(info.probe) + 8, dtype=np.uint8)  # the probe, a board seq
         self._got_iov = np.array([[self._got.ctypes.data, len(info.probe)],
                                   [self._got.ctypes.data + len(info.probe), 8]], dtype=np.uint64)
@@ -119,10 +117,10 @@ class CopySource:
         self._iov_pointers = (self._got_iov.ctypes.data, self._remote_iov.ctypes.data)
         # The grant board (``protocol/grant_board.py``), if the server offers one.
         self.board_address, self.board_slots = info.board_address, info.board_slots
-        self._window = np.zeros(WINDOW_NBYTES, dtype=np.uint8)
-        self._window_local = self.window_local_rows(self._window)
+        self._window = np.zeros(_WINDOW_NBYTES, dtype=np.uint8)
+        self._window_local = self._window_local_rows(self._window)
         # Each slot's seq is its own iovec, copied before the rest of the slot.
-        self._window_remote = np.zeros((WINDOW_ROWS, 2), dtype=np.uint64)
+        self._window_remote = np.zeros((_WINDOW_ROWS, 2), dtype=np.uint64)
         self._window_remote[:, 1] = _WINDOW_LENGTHS
         # The scratch arrays above are shared: the loop thread and a thread making
         # a read on its own (``inline.py``) may use this source at once.
@@ -157,7 +155,7 @@ class CopySource:
             CopyRefusedError: the kernel refuses the copy.
         """
         assert _readv is not None
-        num = len(self._probe)
+        num = len(self.probe)
         with self._lock:
             got_iov, remote_iov = self._iov_pointers
             rows, want = 1, num
@@ -173,7 +171,7 @@ class CopySource:
                 raise CopyRefusedError(f"copy from pid {self.pid}: {os.strerror(code)}")
             raise PeerClosedError(f"pid {self.pid} is no longer the server "
                                   f"({os.strerror(code) if code else 'short probe'})")
-        if probe != self._probe:
+        if probe != self.probe:
             raise PeerClosedError(f"pid {self.pid} is no longer the server (probe differs)")
         return spot is None or seq == spot.seq
 
@@ -189,35 +187,29 @@ class CopySource:
         if not self.board_slots:
             return None
         digest = token_digest(token)
-        start = self.window_address(digest)
+        start = self._window_address(digest)
         assert _readv is not None
         with self._lock:
-            self.set_window_rows(self._window_remote, start)
-            got = _readv(self.pid, self._window_local.ctypes.data, WINDOW_ROWS,
-                         self._window_remote.ctypes.data, WINDOW_ROWS, 0)
+            np.add(_WINDOW_OFFSETS, np.uint64(start), out=self._window_remote[:, 0])
+            got = _readv(self.pid, self._window_local.ctypes.data, _WINDOW_ROWS,
+                         self._window_remote.ctypes.data, _WINDOW_ROWS, 0)
             window = self._window.tobytes()
         if got != len(window):
             return None
         return find_grant(window, start, digest, block_ids, prompt_digest, time.monotonic(),
                           place)
 
-    def window_address(self, digest: bytes) -> int:
+    def _window_address(self, digest: bytes) -> int:
         """Where the board window of a grant whose token has ``digest`` starts (the server's)."""
         return self.board_address + home_slot(digest, self.board_slots) * SLOT_NBYTES
 
     @staticmethod
-    def window_local_rows(window: npt.NDArray[np.uint8]) -> IovArray:
-        """Rows that take a board window into ``window`` (``WINDOW_NBYTES``), in window order."""
-        rows = np.empty((WINDOW_ROWS, 2), dtype=np.uint64)
-        rows[:, 0] = WINDOW_OFFSETS + np.uint64(window.ctypes.data)
+    def _window_local_rows(window: npt.NDArray[np.uint8]) -> IovArray:
+        """Rows that take a board window into ``window`` (``_WINDOW_NBYTES``), in window order."""
+        rows = np.empty((_WINDOW_ROWS, 2), dtype=np.uint64)
+        rows[:, 0] = _WINDOW_OFFSETS + np.uint64(window.ctypes.data)
         rows[:, 1] = _WINDOW_LENGTHS
         return rows
-
-    @staticmethod
-    def set_window_rows(remote: IovArray, start: int) -> None:
-        """Point the first ``WINDOW_ROWS`` rows of ``remote`` at the window at ``start``."""
-        np.add(WINDOW_OFFSETS, np.uint64(start), out=remote[:WINDOW_ROWS, 0])
-        remote[:WINDOW_ROWS, 1] = _WINDOW_LENGTHS
 
     def readv(self, local: IovArray, remote: IovArray) -> None:
         """Copy ``remote`` ranges of the server into ``local`` ones (row for row).

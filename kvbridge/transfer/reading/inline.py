@@ -22,7 +22,7 @@ byte is copied: a grant for another prompt never lands one.
 
 What a read copies (its ranges, both sides) is kept per (link, plan item, block
 ids, tokens): a request read again, or one with the same blocks (a benchmark),
-only sets the window's and the seq's addresses. Kept ranges are used only while the place
+only sets the seq's address. Kept ranges are used only while the place
 they were made for holds (the same go for the server's blocks, the same cache
 tensors for ours).
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,12 +50,8 @@ import numpy as np
 from kvbridge.topology import RemoteRead
 from kvbridge.transfer.errors import PeerClosedError, TransferError
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.protocol.grant_board import find_grant, token_digest
 from kvbridge.transfer.reading.copier import (
     IOV_MAX,
-    WINDOW_NBYTES,
-    WINDOW_OFFSETS,
-    WINDOW_ROWS,
     CopyRefusedError,
     CopySource,
     IovArray,
@@ -99,8 +94,6 @@ class _Prepared:
     local_origins: IovArray  # our planes' origins when made (``LocalKV.plane_origins``)
     block_ids: list[int]  # the server's, as its board lists them
     nbytes: int  # block bytes
-    window: np.ndarray  # the board window lands here
-    window_rows: tuple[IovArray, IovArray]  # (ours, the server's: addresses set per read)
     local: IovArray  # our block ranges, then the seq's and the probe's landing rows
     remote: IovArray  # the server's block ranges (row for row), then seq and probe rows
     tail: np.ndarray  # the seq (8 bytes) and the probe land here
@@ -110,7 +103,7 @@ class _Prepared:
 class InlineReader:
     """Reads on the caller's thread (see the module docstring); one per agent.
 
-    Any thread; one read at a time (a lock: the prepared copies' window rows are shared).
+    Any thread; one read at a time (a lock: the prepared copies' rows are shared).
     """
 
     def __init__(self) -> None:
@@ -178,8 +171,6 @@ class InlineReader:
         layers = slice(item.local_layers.start, item.local_layers.stop)
         origins = ctx.local.plane_origins(layers)
         source = peer.source
-        window = np.zeros(WINDOW_NBYTES, dtype=np.uint8)
-        window_rows = source.window_local_rows(window), np.zeros((WINDOW_ROWS, 2), np.uint64)
         tail = np.zeros(8 + len(source.probe), dtype=np.uint8)
         tail_local = np.array([[tail.ctypes.data, 8],
                                [tail.ctypes.data + 8, len(source.probe)]], dtype=np.uint64)
@@ -189,8 +180,7 @@ class InlineReader:
         remote = np.concatenate([remote_ranges(setup.request, go), tail_remote])
         whole = len(local) <= IOV_MAX and ctx.copier.num_parts(nbytes) == 1
         return _Prepared(link, item, copy_shape(setup.request), go, layers, origins,
-                         list(setup.request.block_ids), nbytes, window, window_rows, local,
-                         remote, tail, whole)
+                         list(setup.request.block_ids), nbytes, local, remote, tail, whole)
 
 
 def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob) -> bool:
@@ -200,15 +190,8 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
         TransferError, CopyRefusedError: as ``CopySource.readv``; ``PeerClosedError``
             also when the pid is no longer the server's.
     """
-    digest = token_digest(job.grant)
-    start = source.window_address(digest)
-    ours, theirs = prepared.window_rows
-    np.add(WINDOW_OFFSETS, np.uint64(start), out=theirs[:, 0])
-    theirs[:, 1] = ours[:, 1]
-    source.readv_rows(ours.ctypes.data, WINDOW_ROWS, theirs.ctypes.data, WINDOW_ROWS,
-                      WINDOW_NBYTES)
-    spot = find_grant(prepared.window.tobytes(), start, digest, prepared.block_ids,
-                      job.prompt_digest, time.monotonic(), prepared.go.place)
+    spot = source.find_grant(job.grant, prepared.block_ids, job.prompt_digest,
+                             prepared.go.place)
     if spot is None:
         return False
     local, remote = prepared.local, prepared.remote
