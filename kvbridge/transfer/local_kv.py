@@ -20,6 +20,8 @@ from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.protocol import wire
 
+_data_ptr = torch.Tensor.data_ptr
+
 
 class LocalKV:
     """One worker's registered caches, checked against its topology.
@@ -101,8 +103,10 @@ class LocalKV:
         # V, or the one fused plane) together.
         plane_numel = first[0].numel() if topology.is_mla else first[0, 0].numel()
         self.block_nbytes = plane_numel * self.num_planes * self.elem_nbytes
-        # (layers.start, layers.stop) -> (the tensors' addresses, plane_origins)
-        self._origins: dict[tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64]]] = {}
+        # (layers.start, layers.stop) -> (the tensors' addresses, plane_origins, the tensors)
+        self._origins: dict[
+            tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64], list[torch.Tensor]]
+        ] = {}
 
     @property
     def num_planes(self) -> int:
@@ -123,17 +127,18 @@ class LocalKV:
         ``share_memory_``, or pickling a tensor to another process, does that);
         only the array is cached, for as long as the addresses stay the same.
         """
-        pointers = tuple(layer.data_ptr() for layer in self.layers[layers])
         key = (layers.start, layers.stop)
         cached = self._origins.get(key)
-        if cached is not None and cached[0] == pointers:
+        if cached is not None and cached[0] == tuple(map(_data_ptr, cached[2])):
             return cached[1]
+        held = self.layers[layers]
+        pointers = tuple(map(_data_ptr, held))
         plane_nbytes = self.num_blocks * self.plane_block_nbytes
         origins = (np.array(pointers, dtype=np.uint64)[:, None]
                    + np.arange(self.num_planes, dtype=np.uint64)[None, :] * np.uint64(plane_nbytes))
         origins = origins.reshape(-1)
         origins.flags.writeable = False
-        self._origins[key] = (pointers, origins)
+        self._origins[key] = (pointers, origins, held)
         return origins
 
     @property

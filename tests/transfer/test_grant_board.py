@@ -35,8 +35,8 @@ def look(board: GrantBoard, token: str, blocks: list[int], prompt: bytes = b"",
     """What a reader finds: the token's window copied out of the board."""
     home = home_slot(token_digest(token), board.num_slots)
     window = board._buf[home * SLOT_NBYTES : (home + WINDOW) * SLOT_NBYTES].tobytes()
-    return find_grant(window, board.address + home * SLOT_NBYTES, token_digest(token), blocks,
-                      prompt, now, place)
+    return find_grant(window, 0, board.address + home * SLOT_NBYTES, token_digest(token),
+                      blocks, prompt, now, place)
 
 
 def new_board(num_slots: int = 64) -> GrantBoard:

@@ -84,6 +84,29 @@ def test_a_read_on_the_boards_word_is_made_in_start_read(agents: tuple) -> None:
     assert server.counters().num_board_copies == 4
 
 
+def test_done_reports_of_reads_back_to_back_all_reach_the_server(agents: tuple) -> None:
+    """Inline reads' done reports go out in batches (the first at once, then every
+    millisecond while more come): none is lost, every grant is released and its
+    request reported done sending; a read after a pause is reported too."""
+    server, reader, p_caches, d_caches = agents
+    read_now(server, reader, "link", [1, 2], [3, 4])
+    ids = [f"burst-{n}" for n in range(40)]
+    for request_id in ids:
+        token = server.issue_grant(request_id, [5, 6], 1).token
+        reader.start_read(request_id, engine_id="p-inline", host="127.0.0.1",
+                          port=server.port, remote_block_ids=[5, 6], local_block_ids=[7, 8],
+                          grant=token, num_tokens=2 * BLOCK_SIZE)
+    sent: set[str] = set()
+    wait_until(lambda: bool(sent.update(server.get_finished()[0])) or set(ids) <= sent, 10.0,
+               message="done reports of the burst")
+    assert len(server.grants) == 0
+    assert same(p_caches, [5, 6], d_caches, [7, 8])
+    time.sleep(0.05)  # the batches stopped; the next report wakes the loop again
+    finished, stats = read_now(server, reader, "after-pause", [9], [10])
+    assert "after-pause" in finished and stats.num_local_copies == 1
+    wait_until(lambda: "after-pause" in server.get_finished()[0], 5.0, message="its report")
+
+
 @pytest.mark.parametrize("what", ["revoked", "moved"])
 def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     agents: tuple, monkeypatch: pytest.MonkeyPatch, what: str,

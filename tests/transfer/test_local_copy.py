@@ -179,25 +179,31 @@ def test_allowed_follows_config_and_environment(
 
 def _board_holder(conn: Connection) -> None:
     probe, board = ProbeCell(), GrantBoard(lambda: 5, 64)
+    decoy = GrantBoard(lambda: 5, 64)  # the same size, another tag
     board.publish("engine-token-0000000", [1, 2, 3], 30.0, b"prompt")
-    conn.send(probe.host_info(board))
+    conn.send((probe.host_info(board), decoy.fd))
     while (cmd := conn.recv()) != "go":
         if cmd == "withdraw":
             board.withdraw("engine-token-0000000")
         conn.send("ok")
 
 
-def test_a_reader_reads_the_board_of_another_process_and_sees_a_withdrawal() -> None:
+@pytest.mark.parametrize("fd", ["board", "none", "decoy", "not a board"])
+def test_a_reader_reads_the_board_of_another_process_and_sees_a_withdrawal(fd: str) -> None:
+    """Through a map of the board's memfd when the server offers it, else (no fd, or an
+    fd that is not the board: another board's tag, another file's size) by copying
+    the grant's window per look; the same answers either way."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_board_holder, args=(child,), daemon=True)
     proc.start()
     try:
         assert parent.poll(30), "board holder did not start"
-        info = parent.recv()
-        assert info.board_address and info.board_slots == 64
-        source = CopySource.open(info, "holder")
-        assert source is not None
+        info, decoy_fd = parent.recv()
+        assert info.board_address and info.board_slots == 64 and info.board_fd >= 0
+        board_fd = {"board": info.board_fd, "none": -1, "decoy": decoy_fd, "not a board": 1}[fd]
+        source = CopySource.open(msgspec.structs.replace(info, board_fd=board_fd), "holder")
+        assert source is not None and source.board_mapped is (fd == "board")
         spot = source.find_grant("engine-token-0000000", [3, 1], b"prompt", 5)
         assert spot is not None and source.check(spot)
         assert source.find_grant("engine-token-0000000", [3, 4], b"prompt", 5) is None

@@ -44,6 +44,15 @@ A slot (``SLOT_NBYTES``)::
 A grant's slot is one of ``WINDOW`` slots from its token digest's home slot, so a
 reader finds it with one read of ``WINDOW`` slots.
 
+Where it can, the board lives in a ``memfd`` (``GrantBoard.fd``) that a reader
+maps read-only through ``/proc/<pid>/fd/<fd>`` (the same permission as
+``process_vm_readv``): then finding a grant is plain loads from the reader's own
+mapping, no system call (``reading/copier.py``). The loads keep the order above
+(a slot's seq first, then its fields) since each is its own Python operation, in
+program order; x86 keeps loads in order. After the slots comes the board's tag
+(``TAG_NBYTES`` random bytes): a reader compares it through ``process_vm_readv``
+at the advertised address with its mapping's before it trusts the mapping.
+
 Where the blocks are the board does not say: the reader takes that from an
 earlier ``CopyGo``, and only if the go's ``place`` (a fingerprint of the cache
 tensors' addresses when the go was made) equals the slot's (taken when the
@@ -57,9 +66,14 @@ caches that move while grants are live are not supported on any path.
 from __future__ import annotations
 
 import hashlib
+import logging
+import mmap
+import os
+import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +82,7 @@ import numpy as np
 __all__ = [
     "MAX_BLOCKS",
     "SLOT_NBYTES",
+    "TAG_NBYTES",
     "WINDOW",
     "BoardSpot",
     "GrantBoard",
@@ -75,6 +90,8 @@ __all__ = [
     "home_slot",
     "token_digest",
 ]
+
+logger = logging.getLogger(__name__)
 
 MAX_BLOCKS = 256  # block ids a slot holds; larger grants are not on the board
 WINDOW = 4  # slots a grant may sit in, from its home slot on
@@ -84,6 +101,7 @@ SLOT_NBYTES = _HEADER_WORDS * 8 + MAX_BLOCKS * 4
 _SEQ, _TOKEN, _PROMPT, _DEADLINE, _COUNT, _PLACE = 0, 1, 3, 5, 6, 7
 _BOUND = 1 << 32
 _MAX_ID = (1 << 32) - 1
+TAG_NBYTES = 16
 _U64 = struct.Struct("<Q")
 _F64_U64_U64 = struct.Struct("<dQQ")
 
@@ -102,6 +120,41 @@ def home_slot(digest: bytes, num_slots: int) -> int:
     return int.from_bytes(digest[:8], "little") % num_slots
 
 
+def _shared_memory(nbytes: int) -> tuple[mmap.mmap | bytearray, int]:
+    """Zeroed memory a reader on this host can map (a memfd and its fd), else private (-1)."""
+    try:
+        fd = os.memfd_create("kvbridge-grant-board", os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as exc:  # not Linux, or memfd not allowed
+        logger.debug("grant board in private memory: %s", exc)
+        return bytearray(nbytes), -1
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes), fd
+    except OSError as exc:
+        os.close(fd)
+        logger.debug("grant board in private memory: %s", exc)
+        return bytearray(nbytes), -1
+
+
+def map_board(path: str, nbytes: int) -> mmap.mmap | None:
+    """A read-only map of the board (slots and tag, ``nbytes``) that ``path`` opens, or
+    None when it cannot be opened or is not that size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        logger.debug("grant board %s not mapped: %s", path, exc)
+        return None
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            return None
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as exc:
+        logger.debug("grant board %s not mapped: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+
+
 class GrantBoard:
     """The server's side: slots written under the grant table's lock (see the module doc).
 
@@ -114,7 +167,13 @@ class GrantBoard:
         self._place = place
         self.num_slots = num_slots
         rows = num_slots + WINDOW - 1
-        self._buf = np.zeros(rows * SLOT_NBYTES, dtype=np.uint8)
+        self.nbytes = rows * SLOT_NBYTES  # of the slots; the tag follows
+        memory, self.fd = _shared_memory(self.nbytes + TAG_NBYTES)
+        if self.fd >= 0:
+            weakref.finalize(self, os.close, self.fd)
+        whole = np.frombuffer(memory, dtype=np.uint8)
+        whole[self.nbytes :] = np.frombuffer(secrets.token_bytes(TAG_NBYTES), dtype=np.uint8)
+        self._buf = whole[: self.nbytes]
         self._words = self._buf.view(np.uint64).reshape(rows, SLOT_NBYTES // 8)
         self._deadlines = self._buf.view(np.float64).reshape(rows, SLOT_NBYTES // 8)[:, _DEADLINE]
         self._ids = self._buf.view(np.uint32).reshape(rows, SLOT_NBYTES // 4)[:, 2 * _HEADER_WORDS:]
@@ -201,29 +260,33 @@ class BoardSpot:
 
 
 def find_grant(
-    window: bytes, window_address: int, digest: bytes, block_ids: Sequence[int],
-    prompt_digest: bytes, now: float, place: int,
+    board: bytes | mmap.mmap, first: int, board_address: int, digest: bytes,
+    block_ids: Sequence[int], prompt_digest: bytes, now: float, place: int,
 ) -> BoardSpot | None:
-    """The slot of ``window`` (copied from ``window_address``) that allows the read, or None.
+    """The slot among ``WINDOW`` from offset ``first`` of ``board`` that allows the read,
+    or None.
 
-    Allows: live (even seq), the token's ``digest``, every block id in the slot's,
-    the read's prompt digest if the grant names one, ``now`` before the deadline,
-    and the caches where ``place`` (from the go the reader copies by) says.
+    ``board``: a copy of the server's board, or of a window of it, or a map of it;
+    its offset 0 is the server's ``board_address``. Allows: live (even seq), the
+    token's ``digest``, every block id in the slot's, the read's prompt digest if
+    the grant names one, ``now`` before the deadline, and the caches where ``place``
+    (from the go the reader copies by) says.
     """
-    for start in range(0, len(window) - SLOT_NBYTES + 1, SLOT_NBYTES):
-        seq, = _U64.unpack_from(window, start)
-        if seq == 0 or seq % 2 or window[start + 8 : start + 24] != digest:
+    end = min(first + WINDOW * SLOT_NBYTES, len(board) - SLOT_NBYTES + 1)
+    for start in range(first, end, SLOT_NBYTES):
+        seq, = _U64.unpack_from(board, start)
+        if seq == 0 or seq % 2 or board[start + 8 : start + 24] != digest:
             continue
-        deadline, count, slot_place = _F64_U64_U64.unpack_from(window, start + 8 * _DEADLINE)
+        deadline, count, slot_place = _F64_U64_U64.unpack_from(board, start + 8 * _DEADLINE)
         num_blocks = count & _MAX_ID
         if num_blocks > MAX_BLOCKS or not now < deadline or not place or slot_place != place:
             return None
-        if count & _BOUND and (not prompt_digest or window[start + 24 : start + 40]
+        if count & _BOUND and (not prompt_digest or board[start + 24 : start + 40]
                                != _prompt_key(prompt_digest)):
             return None
-        first = start + 8 * _HEADER_WORDS
-        granted = set(np.frombuffer(window, np.uint32, num_blocks, first).tolist())
+        ids_at = start + 8 * _HEADER_WORDS
+        granted = set(struct.unpack_from(f"<{num_blocks}I", board, ids_at))
         if not granted.issuperset(block_ids):
             return None
-        return BoardSpot(window_address + start, seq)
+        return BoardSpot(board_address + start, seq)
     return None

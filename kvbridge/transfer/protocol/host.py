@@ -90,4 +90,5 @@ class ProbeCell:
             boot_id, pid_namespace, os.getpid(), self._cell.ctypes.data, self._cell.tobytes(),
             board_address=board.address if board is not None else 0,
             board_slots=board.num_slots if board is not None else 0,
+            board_fd=board.fd if board is not None else -1,
         )

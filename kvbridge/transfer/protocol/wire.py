@@ -164,6 +164,8 @@ class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
     probe: Blob
     board_address: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # 0: no board
     board_slots: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    # The board's memfd in the server (a reader maps ``/proc/<pid>/fd/<board_fd>``); -1: none.
+    board_fd: Annotated[int, msgspec.Meta(ge=-1, le=1 << 30)] = -1
     # Where the caches were at the handshake, as a ``CopyGo`` says it for one read: the
     # address of block 0 of every plane of every held layer (u64 each, in ``CopyGo``'s
     # plane order), the bytes from one block to the next, and ``LocalKV.place``. A

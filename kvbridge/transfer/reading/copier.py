@@ -9,7 +9,9 @@ costs one, and the reader splits it over ``AgentConfig.copy_threads`` threads.
 
 - ``CopySource``: a server process this reader may copy from, checked by its
   probe (``protocol/host.py``) before it is trusted and after every copy; it
-  also reads the server's grant board (``protocol/grant_board.py``).
+  also reads the server's grant board (``protocol/grant_board.py``): from a
+  read-only map of it where the server offers one (no system call), else with
+  one ``process_vm_readv`` of the grant's window.
 - ``Copier`` / ``CopyRun``: one copy shared out in pieces over the loop thread
   and helper threads.
 
@@ -30,6 +32,7 @@ import ctypes
 import errno
 import logging
 import math
+import mmap
 import os
 import sys
 import threading
@@ -44,10 +47,12 @@ from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferErr
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import (
     SLOT_NBYTES,
+    TAG_NBYTES,
     WINDOW,
     BoardSpot,
     find_grant,
     home_slot,
+    map_board,
     token_digest,
 )
 from kvbridge.transfer.protocol.host import host_identity
@@ -125,6 +130,8 @@ class CopySource:
         # The scratch arrays above are shared: the loop thread and a thread making
         # a read on its own (``inline.py``) may use this source at once.
         self._lock = threading.Lock()
+        self._board_fd = info.board_fd
+        self._board: mmap.mmap | None = None  # the board itself, mapped (``_map_board``)
 
     @classmethod
     def open(cls, info: wire.HostInfo | None, peer: str) -> CopySource | None:
@@ -139,10 +146,38 @@ class CopySource:
         source = cls(info)
         try:
             source.check()
+            source._map_board()
         except TransferError as exc:
             logger.info("no same-host copies from %s (pid %d): %s", peer, info.pid, exc)
             return None
         return source
+
+    @property
+    def board_mapped(self) -> bool:
+        """The server's board is read from a map of it (else a window is copied per look)."""
+        return self._board is not None
+
+    def _map_board(self) -> None:
+        """Map the server's board if it offers it and the map holds the board's tag
+        (read at the advertised address); else its windows are copied per read.
+
+        Raises:
+            TransferError: as ``readv`` (the pid was checked just before).
+        """
+        if self._board_fd < 0 or not self.board_slots:
+            return
+        nbytes = (self.board_slots + WINDOW - 1) * SLOT_NBYTES
+        board = map_board(f"/proc/{self.pid}/fd/{self._board_fd}", nbytes + TAG_NBYTES)
+        if board is None:
+            return
+        tag = np.zeros(TAG_NBYTES, dtype=np.uint8)
+        self.readv(np.array([[tag.ctypes.data, TAG_NBYTES]], dtype=np.uint64),
+                   np.array([[self.board_address + nbytes, TAG_NBYTES]], dtype=np.uint64))
+        if tag.tobytes() == board[nbytes:]:
+            self._board = board
+        else:
+            logger.info("pid %d's fd %d is not its grant board", self.pid, self._board_fd)
+            board.close()
 
     def check(self, spot: BoardSpot | None = None) -> bool:
         """Copy the probe and compare: the pid still names the server that offered it.
@@ -187,6 +222,10 @@ class CopySource:
         if not self.board_slots:
             return None
         digest = token_digest(token)
+        if self._board is not None:
+            first = home_slot(digest, self.board_slots) * SLOT_NBYTES
+            return find_grant(self._board, first, self.board_address, digest, block_ids,
+                              prompt_digest, time.monotonic(), place)
         start = self._window_address(digest)
         assert _readv is not None
         with self._lock:
@@ -196,7 +235,7 @@ class CopySource:
             window = self._window.tobytes()
         if got != len(window):
             return None
-        return find_grant(window, start, digest, block_ids, prompt_digest, time.monotonic(),
+        return find_grant(window, 0, start, digest, block_ids, prompt_digest, time.monotonic(),
                           place)
 
     def _window_address(self, digest: bytes) -> int:
