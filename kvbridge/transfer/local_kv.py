@@ -17,6 +17,7 @@ import numpy.typing as npt
 import torch
 
 from kvbridge.errors import ConfigError
+from kvbridge.paged.host_memory import shared_region
 from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.protocol import wire
 
@@ -103,6 +104,7 @@ class LocalKV:
         # V, or the one fused plane) together.
         plane_numel = first[0].numel() if topology.is_mla else first[0, 0].numel()
         self.block_nbytes = plane_numel * self.num_planes * self.elem_nbytes
+        self._place: tuple[tuple[int, ...], int] = ((), 0)  # the addresses, their place()
         # (layers.start, layers.stop) -> (the tensors' addresses, plane_origins, the tensors)
         self._origins: dict[
             tuple[object, ...], tuple[tuple[int, ...], npt.NDArray[np.uint64], list[torch.Tensor]]
@@ -114,10 +116,28 @@ class LocalKV:
         return 1 if self.topology.is_mla or self.topology.fused_kv else 2
 
     def place(self) -> int:
-        """A fingerprint (63 bits, never 0) of where the caches are now: it changes if one moves."""
-        pointers = np.array([layer.data_ptr() for layer in self.layers], dtype=np.uint64)
-        digest = hashlib.blake2b(pointers.tobytes(), digest_size=8).digest()
-        return (int.from_bytes(digest, "little") >> 1) or 1
+        """A fingerprint (63 bits, never 0) of where the caches are now: it changes if one
+        moves (to other addresses, or into other shared memory at the same ones)."""
+        pointers = tuple(map(_data_ptr, self.layers))
+        if self._place[0] == pointers:  # the same tensors (held here) at the same addresses
+            return self._place[1]
+        regions = [shared_region(layer) for layer in self.layers]
+        words = np.array([*pointers, *(r.inode if r is not None else 0 for r in regions)],
+                         dtype=np.uint64)
+        digest = hashlib.blake2b(words.tobytes(), digest_size=8).digest()
+        self._place = (pointers, (int.from_bytes(digest, "little") >> 1) or 1)
+        return self._place[1]
+
+    def shared_regions(self) -> bytes:
+        """``wire.HostInfo.regions`` of the caches: every layer's memfd mapping, or
+        b\"\" unless every layer is in one (``paged/host_memory.py``)."""
+        regions = [shared_region(layer) for layer in self.layers]
+        if not regions or any(r is None for r in regions):
+            return b""
+        unique = {(r.address, r.nbytes, r.fd, r.inode) for r in regions if r is not None}
+        if len(unique) > wire.MAX_COPY_ORIGINS:
+            return b""
+        return np.array(sorted(unique), dtype=np.uint64).tobytes()
 
     def plane_origins(self, layers: slice) -> npt.NDArray[np.uint64]:
         """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``
@@ -160,7 +180,7 @@ class LocalKV:
             if origins.size <= wire.MAX_COPY_ORIGINS:
                 host = msgspec.structs.replace(
                     host, origins=origins.tobytes(), block_stride=self.plane_block_nbytes,
-                    place=self.place(),
+                    place=self.place(), regions=self.shared_regions(),
                 )
         return wire.AgentMetadata(
             engine_id=engine_id,

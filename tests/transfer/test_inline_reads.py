@@ -9,18 +9,21 @@ never kept on the board's word; and that what the board refuses lands nothing.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from kvbridge.paged.host_memory import kv_cache_zeros
 from kvbridge.transfer.agent import TransferAgent
 from kvbridge.transfer.agent_config import AgentConfig
-from kvbridge.transfer.reading import copier
+from kvbridge.transfer.reading import copier, inline
 from kvbridge.transfer.reading.jobs import ReadStats
 from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches
 from tests.waiting import wait_until
@@ -28,20 +31,44 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process_vm_readv is Linux's")
 
 CONFIG = AgentConfig(reply_timeout_s=5.0, read_timeout_s=20.0, lease_s=30.0)
+NOTHING_INLINE = "test_a_read_the_board_does_not_allow_copies_nothing"
 
 
-@pytest.fixture
-def agents() -> Iterator[tuple[TransferAgent, TransferAgent, list[torch.Tensor],
-                               list[torch.Tensor]]]:
+def in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies in memfds (``kv_cache_zeros``), which a reader maps and memmoves from."""
+    copies = [kv_cache_zeros(tuple(t.shape), t.dtype) for t in tensors]
+    for copy, tensor in zip(copies, tensors, strict=True):
+        copy.copy_(tensor)
+    return copies
+
+
+@pytest.fixture(params=["private", "shared"])
+def agents(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[
+        tuple[TransferAgent, TransferAgent, list[torch.Tensor], list[torch.Tensor]]]:
+    """A server and a reader; caches in private memory (copied with
+    ``process_vm_readv``) or shared (the reader maps the server's: memmove)."""
     server = TransferAgent("p-inline", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
     reader = TransferAgent("d-inline", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
     p_caches, d_caches = caches(3), caches(None)
+    moves: list[int] = []
+    if request.param == "shared":
+        p_caches, d_caches = in_shared_memory(p_caches), in_shared_memory(d_caches)
+
+        def memmove(ours: int, theirs: int, nbytes: int) -> int:
+            moves.append(nbytes)
+            return ctypes.memmove(ours, theirs, nbytes)
+
+        monkeypatch.setattr(inline, "ctypes", SimpleNamespace(memmove=memmove))
     server.register_kv_caches(p_caches)
     reader.register_kv_caches(d_caches)
     server.start()
     reader.start()
     try:
         yield server, reader, p_caches, d_caches
+        # Shared caches were copied from our map of them (by every test whose board
+        # allowed an inline read); private ones never.
+        copied_inline = not request.node.name.startswith(NOTHING_INLINE)
+        assert bool(moves) is (request.param == "shared" and copied_inline)
     finally:
         reader.close()
         server.close()

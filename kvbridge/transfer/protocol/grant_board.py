@@ -136,25 +136,6 @@ def _shared_memory(nbytes: int) -> tuple[mmap.mmap | bytearray, int]:
         return bytearray(nbytes), -1
 
 
-def map_board(path: str, nbytes: int) -> mmap.mmap | None:
-    """A read-only map of the board (slots and tag, ``nbytes``) that ``path`` opens, or
-    None when it cannot be opened or is not that size."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        logger.debug("grant board %s not mapped: %s", path, exc)
-        return None
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            return None
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except OSError as exc:
-        logger.debug("grant board %s not mapped: %s", path, exc)
-        return None
-    finally:
-        os.close(fd)
-
-
 class GrantBoard:
     """The server's side: slots written under the grant table's lock (see the module doc).
 

@@ -19,6 +19,7 @@ it offers or makes a copy.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import sys
@@ -68,6 +69,26 @@ def host_identity() -> tuple[str, str]:
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     ns = os.stat("/proc/self/ns/pid")
     return boot_id, f"{ns.st_dev}:{ns.st_ino}"
+
+
+def map_shared(pid: int, fd: int, nbytes: int, inode: int | None = None) -> mmap.mmap | None:
+    """A read-only map of ``nbytes`` of the file process ``pid`` holds open as ``fd`` (a
+    memfd), or None: not allowed, not that size, or (``inode``) not that file."""
+    try:
+        file = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        logger.debug("fd %d of pid %d not mapped: %s", fd, pid, exc)
+        return None
+    try:
+        stat = os.fstat(file)
+        if stat.st_size != nbytes or (inode is not None and stat.st_ino != inode):
+            return None
+        return mmap.mmap(file, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as exc:
+        logger.debug("fd %d of pid %d not mapped: %s", fd, pid, exc)
+        return None
+    finally:
+        os.close(file)
 
 
 class ProbeCell:

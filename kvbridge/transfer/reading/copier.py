@@ -52,10 +52,9 @@ from kvbridge.transfer.protocol.grant_board import (
     BoardSpot,
     find_grant,
     home_slot,
-    map_board,
     token_digest,
 )
-from kvbridge.transfer.protocol.host import host_identity
+from kvbridge.transfer.protocol.host import host_identity, map_shared
 
 __all__ = [
     "IOV_MAX", "Copier", "CopyRefusedError", "CopyRun", "CopySource", "IovArray", "zero_rows",
@@ -80,6 +79,11 @@ _WINDOW_NBYTES = WINDOW * SLOT_NBYTES
 _WINDOW_LENGTHS = np.array([8, SLOT_NBYTES - 8] * WINDOW, dtype=np.uint64)
 _WINDOW_OFFSETS = np.array([slot * SLOT_NBYTES + part for slot in range(WINDOW)
                             for part in (0, 8)], dtype=np.uint64)
+
+
+def _map_address(area: mmap.mmap) -> int:
+    """Where a read-only map starts in this process."""
+    return int(np.frombuffer(area, dtype=np.uint8).ctypes.data)
 
 
 def zero_rows(rows: IovArray) -> None:
@@ -132,6 +136,11 @@ class CopySource:
         self._lock = threading.Lock()
         self._board_fd = info.board_fd
         self._board: mmap.mmap | None = None  # the board itself, mapped (``_map_board``)
+        # The server's caches where it offers them (``HostInfo.regions``), mapped: for
+        # the caches at ``_regions_place`` only (``mapped_rows``).
+        self._regions_place = info.place
+        self._maps: list[mmap.mmap] = []
+        self._starts = self._ends = self._bases = np.zeros(0, dtype=np.uint64)
 
     @classmethod
     def open(cls, info: wire.HostInfo | None, peer: str) -> CopySource | None:
@@ -147,10 +156,48 @@ class CopySource:
         try:
             source.check()
             source._map_board()
+            source._map_regions(info.regions)
         except TransferError as exc:
             logger.info("no same-host copies from %s (pid %d): %s", peer, info.pid, exc)
             return None
         return source
+
+    def _map_regions(self, regions: bytes) -> None:
+        """Map every memfd the server's caches are in (``HostInfo.regions``), each checked
+        by its inode; all or none (the copies then go through ``process_vm_readv``)."""
+        if not regions or len(regions) % 32 or not self._regions_place:
+            return
+        quads = np.frombuffer(regions, dtype=np.uint64).reshape(-1, 4)
+        maps = [map_shared(self.pid, fd, nbytes, inode) for _, nbytes, fd, inode in quads.tolist()]
+        if any(m is None for m in maps):
+            logger.info("pid %d's caches not mapped: copies go through process_vm_readv",
+                        self.pid)
+            return
+        self._maps = [m for m in maps if m is not None]
+        order = np.argsort(quads[:, 0])
+        self._starts, self._ends = quads[order, 0], quads[order, 0] + quads[order, 1]
+        self._bases = np.array([_map_address(self._maps[i]) for i in order.tolist()],
+                               dtype=np.uint64)
+
+    def mapped_rows(self, remote: IovArray, place: int) -> IovArray | None:
+        """``remote`` rows as addresses in our maps of the server's caches, or None when
+        the caches are not mapped, ``place`` is not where they were mapped from (a go
+        made after they moved), or a row is outside them."""
+        if not self._maps or place != self._regions_place or not len(remote):
+            return None
+        at = np.searchsorted(self._starts, remote[:, 0], side="right").astype(np.int64) - 1
+        if (at < 0).any() or (remote[:, 0] + remote[:, 1] > self._ends[np.maximum(at, 0)]).any():
+            return None
+        rows = remote.copy()
+        rows[:, 0] = remote[:, 0] - self._starts[at] + self._bases[at]
+        return rows
+
+    def board_seq(self, spot: BoardSpot) -> int | None:
+        """The seq of ``spot``'s slot now, from the mapped board (None: not mapped)."""
+        if self._board is None:
+            return None
+        at = spot.seq_address - self.board_address
+        return int.from_bytes(self._board[at : at + 8], "little")
 
     @property
     def board_mapped(self) -> bool:
@@ -167,7 +214,7 @@ class CopySource:
         if self._board_fd < 0 or not self.board_slots:
             return
         nbytes = (self.board_slots + WINDOW - 1) * SLOT_NBYTES
-        board = map_board(f"/proc/{self.pid}/fd/{self._board_fd}", nbytes + TAG_NBYTES)
+        board = map_shared(self.pid, self._board_fd, nbytes + TAG_NBYTES)
         if board is None:
             return
         tag = np.zeros(TAG_NBYTES, dtype=np.uint8)
@@ -307,11 +354,18 @@ class CopyRun:
     """
 
     def __init__(self, source: CopySource, local: IovArray, remote: IovArray,
-                 num_threads: int) -> None:
+                 num_threads: int, place: int = 0) -> None:
         self.source = source
         # Kept alive (and contiguous) here: the kernel reads these rows by address.
         self._local = np.ascontiguousarray(local, dtype=np.uint64)
         self._remote = np.ascontiguousarray(remote, dtype=np.uint64)
+        # The remote rows in our map of the server's caches (``CopySource.mapped_rows``,
+        # for the caches at ``place``): pieces are memmoves then, no system call.
+        mapped = source.mapped_rows(self._remote, place) if place else None
+        self._pairs = None
+        if mapped is not None and np.array_equal(mapped[:, 1], self._local[:, 1]):
+            self._pairs = list(zip(self._local[:, 0].tolist(), mapped[:, 0].tolist(),
+                                   mapped[:, 1].tolist(), strict=True))
         self._rows = len(local)
         self._ends = np.cumsum(self._local[:, 1], dtype=np.uint64)
         self._total = int(self._ends[-1]) if self._rows else 0
@@ -357,8 +411,12 @@ class CopyRun:
                 return True
             first, end, nbytes = piece
             try:
-                self.source.readv_rows(local + first * row, end - first,
-                                       remote + first * row, end - first, nbytes)
+                if self._pairs is not None:
+                    for ours, theirs, size in self._pairs[first:end]:
+                        ctypes.memmove(ours, theirs, size)
+                else:
+                    self.source.readv_rows(local + first * row, end - first,
+                                           remote + first * row, end - first, nbytes)
             except BaseException as exc:
                 with self._lock:
                     self.error = self.error or exc
@@ -394,8 +452,12 @@ class Copier:
         """How many threads a copy of ``nbytes`` is shared out over (1: the caller's alone)."""
         return max(1, min(self.threads, nbytes // MIN_PART_NBYTES))
 
-    def start(self, source: CopySource, local: IovArray, remote: IovArray) -> CopyRun:
+    def start(self, source: CopySource, local: IovArray, remote: IovArray,
+              place: int = 0) -> CopyRun:
         """Copy ``remote`` rows into ``local`` rows (row ``i`` of both has one length).
+
+        ``place``: of the go the remote rows were made by; from our map of the
+        server's caches if they are mapped at that place (``CopySource.mapped_rows``).
 
         A large copy is shared with helper threads, which start at once. This
         thread then copies pieces for up to ``_LOOP_SLICE_S`` before it returns;
@@ -405,7 +467,7 @@ class Copier:
         rows = len(local)
         nbytes = int(local[:, 1].sum()) if rows else 0
         threads = max(1, min(rows, self.num_parts(nbytes)))
-        run = CopyRun(source, local, remote, threads)
+        run = CopyRun(source, local, remote, threads, place)
         if threads > 1:
             with self._pool_lock:
                 if self._pool is None and not self._closed:
@@ -442,7 +504,8 @@ class Copier:
             raise run.error
         return run.source.check(spot)
 
-    def copy_here(self, source: CopySource, local: IovArray, remote: IovArray) -> None:
+    def copy_here(self, source: CopySource, local: IovArray, remote: IovArray,
+                  place: int = 0) -> None:
         """Copy on this thread, with helper threads for a large copy; block until done.
 
         For a thread that may wait (``inline.py``): no slices, no yielding.
@@ -451,7 +514,7 @@ class Copier:
         Raises:
             The errors of ``CopySource.readv``.
         """
-        run = self.start(source, local, remote)
+        run = self.start(source, local, remote, place)
         run.work()
         run.wait_idle()
         if run.error is not None:
@@ -463,9 +526,10 @@ class Copier:
         run.close()
         run.wait_idle()
 
-    async def copy(self, source: CopySource, local: IovArray, remote: IovArray) -> None:
+    async def copy(self, source: CopySource, local: IovArray, remote: IovArray,
+                   place: int = 0) -> None:
         """``finish(start(...))``."""
-        await self.finish(self.start(source, local, remote))
+        await self.finish(self.start(source, local, remote, place))
 
     def close(self) -> None:
         """Stop the helper threads (a copy under way finishes first)."""

@@ -39,6 +39,7 @@ never leaves bytes the grant did not cover.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Hashable
@@ -98,6 +99,9 @@ class _Prepared:
     remote: IovArray  # the server's block ranges (row for row), then seq and probe rows
     tail: np.ndarray  # the seq (8 bytes) and the probe land here
     whole: bool  # blocks, seq and probe in one call (else: ``Copier.copy_here``, ``check``)
+    # (ours, our map of the server's, nbytes) per row when its caches are mapped
+    # (``CopySource.mapped_rows``): copied with memmove, no system call; else None.
+    pairs: list[tuple[int, int, int]] | None
 
 
 class InlineReader:
@@ -176,11 +180,20 @@ class InlineReader:
                                [tail.ctypes.data + 8, len(source.probe)]], dtype=np.uint64)
         tail_remote = np.array([[0, 8], [source.probe_address, len(source.probe)]],
                                dtype=np.uint64)
-        local = np.concatenate([local_ranges(ctx.local, setup, span), tail_local])
-        remote = np.concatenate([remote_ranges(setup.request, go), tail_remote])
+        blocks_local = local_ranges(ctx.local, setup, span)
+        blocks_remote = remote_ranges(setup.request, go)
+        local = np.concatenate([blocks_local, tail_local])
+        remote = np.concatenate([blocks_remote, tail_remote])
         whole = len(local) <= IOV_MAX and ctx.copier.num_parts(nbytes) == 1
+        mapped = source.mapped_rows(blocks_remote, go.place) if whole else None
+        pairs = None
+        if (mapped is not None and mapped.shape == blocks_local.shape
+                and np.array_equal(mapped[:, 1], blocks_local[:, 1])):
+            pairs = list(zip(blocks_local[:, 0].tolist(), mapped[:, 0].tolist(),
+                             mapped[:, 1].tolist(), strict=True))
         return _Prepared(link, item, copy_shape(setup.request), go, layers, origins,
-                         list(setup.request.block_ids), nbytes, local, remote, tail, whole)
+                         list(setup.request.block_ids), nbytes, local, remote, tail, whole,
+                         pairs)
 
 
 def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob) -> bool:
@@ -197,9 +210,15 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
     local, remote = prepared.local, prepared.remote
     kept = False
     try:
+        if prepared.pairs is not None:  # from our map of the server's caches
+            for ours, theirs, nbytes in prepared.pairs:
+                ctypes.memmove(ours, theirs, nbytes)
+            seq = source.board_seq(spot)  # loaded after the bytes (x86 keeps loads in order)
+            kept = source.check(spot) if seq is None else seq == spot.seq
+            return kept
         if not prepared.whole:
             assert link.ctx.copier is not None
-            link.ctx.copier.copy_here(source, local[:-2], remote[:-2])
+            link.ctx.copier.copy_here(source, local[:-2], remote[:-2], prepared.go.place)
             kept = source.check(spot)  # False: the grant changed while we copied
             return kept
         remote[-2, 0] = spot.seq_address
