@@ -24,7 +24,7 @@ from kvbridge.transfer.reading.copier import CopySource
 from tests.integration.raw_peer import CODEC, MAX_FRAME, SECRET, connect, me
 from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base
-from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical
+from tests.transfer.agent_proc import AgentRef, Host, Spec, host_pair, logical, make_caches
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -363,3 +363,33 @@ def test_reads_off_the_callers_thread_when_told(hosts: tuple[Host, Host], config
     else:
         assert counters.num_board_copies == 0 and counters.num_data_bytes_sent > 0
         assert stats.num_local_copies == 0
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_large_read_from_shared_caches_is_copied_from_a_map_and_exact(
+    hosts: tuple[Host, Host], inline: bool,
+) -> None:
+    """Server caches in shared memory (``kv_cache_zeros``, as the reference engine's):
+    the reader maps them and copies with memmove, a 10 MiB read shared over its copy
+    threads, inline or on the agent's loop; the bytes are exact."""
+    spec = replace(P_SPEC, shared=True, num_blocks=160)
+    server = add(hosts[0], spec)
+    reader = add(hosts[1], replace(D_SPEC, num_blocks=160),
+                 **({} if inline else {"inline_copy_max_nbytes": 0}))
+    expected = make_caches(server.spec)  # the server's values (asking it would move them)
+
+    def read_exact(request_id: str, blocks: list[int], local: list[int]) -> Any:
+        token = issue([server], request_id, blocks, 1)
+        read([reader], [server], request_id, token, blocks, local, 16 * len(blocks))
+        outcome = wait_read(reader, request_id)
+        assert outcome["failed"] == set(), outcome["stats"]
+        got = logical(reader.call("caches"), reader.spec, local, 16 * len(blocks))
+        assert torch.equal(got, logical(expected, server.spec, blocks, 16 * len(blocks)))
+        return outcome["stats"][0]
+
+    read_exact("link", [1], [2])
+    before = reader.call("memmoves")
+    blocks, local = list(range(159, 79, -1)), list(range(80))  # 80 x 128 KiB
+    stats = read_exact("big", blocks, local)
+    assert stats.num_local_copies == 1 and stats.nbytes == 80 * 128 * 1024
+    assert reader.call("memmoves") - before == stats.nbytes

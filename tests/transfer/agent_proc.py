@@ -55,6 +55,7 @@ class Spec:
     fused: bool = False  # vLLM CPU caches (K^T | V per block and head); needs HND
     config: dict[str, Any] = field(default_factory=dict)
     manual_clock: bool = False  # the grant table's clock moves only on ``advance``
+    shared: bool = False  # caches in shared memory (``kv_cache_zeros``), as the engine's
 
     def topology(self) -> EngineTopology:
         return EngineTopology(
@@ -97,6 +98,10 @@ def make_caches(spec: Spec) -> list[torch.Tensor]:
             caches.append(torch.zeros(shape, dtype=torch.bfloat16))
         else:
             caches.append(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    if spec.shared:
+        from kvbridge.paged.host_memory import kv_cache_zeros
+
+        caches = [kv_cache_zeros(shape, torch.bfloat16).copy_(layer) for layer in caches]
     return caches
 
 
@@ -142,6 +147,7 @@ def _child(conn: Connection) -> None:
     logging.basicConfig(level=logging.WARNING)
     agents: dict[str, tuple[TransferAgent, list[torch.Tensor]]] = {}
     clocks: dict[str, ManualClock] = {}
+    memmoves = _count_memmoves()
 
     def handle(cmd: str, name: str, args: Any) -> Any:
         if cmd == "add":
@@ -184,6 +190,8 @@ def _child(conn: Connection) -> None:
             return agent.grants.stats(), len(agent.grants)
         if cmd == "counters":
             return agent.counters()
+        if cmd == "memmoves":  # bytes copied from maps of servers' caches, in this process
+            return sum(memmoves)
         if cmd == "close":
             agent.close()
             del agents[name]
@@ -195,6 +203,21 @@ def _child(conn: Connection) -> None:
             agent.close()
 
     serve_commands(conn, handle, close_all)
+
+
+def _count_memmoves() -> list[int]:
+    """Count the bytes same-host copies take from maps of a server's caches (inline,
+    and over the copy threads) in this process; the list they are added to."""
+    from kvbridge.transfer.reading import copier, inline
+
+    moved: list[int] = []
+    for module in (copier, inline):
+        def counted(ours: int, theirs: int, nbytes: int, real: Any = module._memmove) -> Any:
+            moved.append(nbytes)
+            return real(ours, theirs, nbytes)
+
+        module._memmove = counted  # type: ignore[attr-defined]
+    return moved
 
 
 class Host(ChildHost):

@@ -9,11 +9,9 @@ never kept on the board's word; and that what the board refuses lands nothing.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -54,11 +52,13 @@ def agents(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     if request.param == "shared":
         p_caches, d_caches = in_shared_memory(p_caches), in_shared_memory(d_caches)
 
+        real_memmove = inline._memmove
+
         def memmove(ours: int, theirs: int, nbytes: int) -> int:
             moves.append(nbytes)
-            return ctypes.memmove(ours, theirs, nbytes)
+            return int(real_memmove(ours, theirs, nbytes))
 
-        monkeypatch.setattr(inline, "ctypes", SimpleNamespace(memmove=memmove))
+        monkeypatch.setattr(inline, "_memmove", memmove)
     server.register_kv_caches(p_caches)
     reader.register_kv_caches(d_caches)
     server.start()

@@ -110,6 +110,7 @@ def _bind_readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _readv = _bind_readv() if sys.platform == "linux" else None
+_memmove = ctypes.memmove  # lets the GIL go: the pieces of a copy run on several threads
 
 
 class CopySource:
@@ -413,7 +414,7 @@ class CopyRun:
             try:
                 if self._pairs is not None:
                     for ours, theirs, size in self._pairs[first:end]:
-                        ctypes.memmove(ours, theirs, size)
+                        _memmove(ours, theirs, size)
                 else:
                     self.source.readv_rows(local + first * row, end - first,
                                            remote + first * row, end - first, nbytes)

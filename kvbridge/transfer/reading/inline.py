@@ -77,6 +77,22 @@ logger = logging.getLogger(__name__)
 _MAX_KEPT = 256  # prepared copies kept (the oldest goes first)
 
 
+def _bind_memmove() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """libc's memmove called with the GIL held (``ctypes.memmove`` lets it go).
+
+    An inline copy is short (one part, ``Copier.num_parts``) and made of many rows:
+    let go of the GIL per row and another thread of ours (the agent's loop, on its
+    report timer) may take it mid-read and keep it for its whole turn.
+    """
+    memmove = ctypes.PyDLL(None).memmove
+    memmove.restype = ctypes.c_void_p
+    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memmove
+
+
+_memmove = _bind_memmove()
+
+
 @dataclass(slots=True)
 class _Prepared:
     """One read's copy, ready to run again (its rows are the kernel's ``struct iovec``s).
@@ -212,7 +228,7 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
     try:
         if prepared.pairs is not None:  # from our map of the server's caches
             for ours, theirs, nbytes in prepared.pairs:
-                ctypes.memmove(ours, theirs, nbytes)
+                _memmove(ours, theirs, nbytes)
             seq = source.board_seq(spot)  # loaded after the bytes (x86 keeps loads in order)
             kept = source.check(spot) if seq is None else seq == spot.seq
             return kept
