@@ -9,13 +9,16 @@ shared memory when ``shmem_enabled`` says so) makes that 1 entry per 2 MiB.
 Where that is not possible (not Linux, not a CPU tensor, a small tensor) this is
 ``torch.zeros``.
 
-The memory is a ``memfd`` mapped shared (``shared=True``, the default), so that a
-reader on this host can map it too, read-only, and copy blocks out of it with a
-plain ``memcpy`` instead of ``process_vm_readv``, which pins every page it copies
-and measured 2.4x slower per byte here (``transfer/reading/copier.py``).
+With ``shared=True`` the memory is a ``memfd`` mapped shared, so that a reader on
+this host can map it too, read-only, and copy blocks out of it with a plain
+``memcpy`` instead of ``process_vm_readv``, which pins every page it copies
+(``transfer/reading/copier.py``): a 1 MiB read measured 0.050 ms instead of
+0.078. It is off by default: where ``shmem_enabled`` gives shared memory no huge
+pages (``never``, the common default), large reads out of it measured 1.6x slower
+(64 MiB: 5.2-5.6 ms vs 3.3) with rare 80 ms stalls (p99), with either copy.
 ``shared_region(tensor)`` tells the fd a tensor's memory is in. A process forked
 after the allocation shares the cache with its parent instead of copying it on
-write (fork before allocating, as engines do, or pass ``shared=False``).
+write.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def shared_region(tensor: torch.Tensor) -> SharedRegion | None:
 
 
 def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype,
-                   device: torch.device | str = "cpu", *, shared: bool = True) -> torch.Tensor:
+                   device: torch.device | str = "cpu", *, shared: bool = False) -> torch.Tensor:
     """A zeroed tensor like ``torch.zeros(shape, dtype=dtype, device=device)``.
 
     On host memory, backed by a mapping advised to use huge pages (the tensor keeps

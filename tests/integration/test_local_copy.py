@@ -365,17 +365,14 @@ def test_reads_off_the_callers_thread_when_told(hosts: tuple[Host, Host], config
         assert stats.num_local_copies == 0
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_a_large_read_from_shared_caches_is_copied_from_a_map_and_exact(
-    hosts: tuple[Host, Host], inline: bool,
+def test_reads_from_shared_caches_copy_from_a_map_and_are_exact(
+    hosts: tuple[Host, Host],
 ) -> None:
-    """Server caches in shared memory (``kv_cache_zeros``, as the reference engine's):
-    the reader maps them and copies with memmove, a 10 MiB read shared over its copy
-    threads, inline or on the agent's loop; the bytes are exact."""
-    spec = replace(P_SPEC, shared=True, num_blocks=160)
-    server = add(hosts[0], spec)
-    reader = add(hosts[1], replace(D_SPEC, num_blocks=160),
-                 **({} if inline else {"inline_copy_max_nbytes": 0}))
+    """Server caches in shared memory (``kv_cache_zeros(shared=True)``): an inline read
+    of one part (up to 4 MiB) memmoves out of the reader's map of them; a 10 MiB read
+    goes over the copy threads with ``process_vm_readv``; the bytes are exact."""
+    server = add(hosts[0], replace(P_SPEC, shared=True, num_blocks=160))
+    reader = add(hosts[1], replace(D_SPEC, num_blocks=160))
     expected = make_caches(server.spec)  # the server's values (asking it would move them)
 
     def read_exact(request_id: str, blocks: list[int], local: list[int]) -> Any:
@@ -388,8 +385,11 @@ def test_a_large_read_from_shared_caches_is_copied_from_a_map_and_exact(
         return outcome["stats"][0]
 
     read_exact("link", [1], [2])
-    before = reader.call("memmoves")
-    blocks, local = list(range(159, 79, -1)), list(range(80))  # 80 x 128 KiB
-    stats = read_exact("big", blocks, local)
-    assert stats.num_local_copies == 1 and stats.nbytes == 80 * 128 * 1024
-    assert reader.call("memmoves") - before == stats.nbytes
+    for request_id, blocks, local, mapped in [
+        ("small", [40, 7, 99], [5, 6, 8], True),  # 3 x 128 KiB, one part: inline, mapped
+        ("big", list(range(159, 79, -1)), list(range(80)), False),  # 80 x 128 KiB
+    ]:
+        before = reader.call("memmoves")
+        stats = read_exact(request_id, blocks, local)
+        assert stats.num_local_copies == 1 and stats.nbytes == len(blocks) * 128 * 1024
+        assert reader.call("memmoves") - before == (stats.nbytes if mapped else 0)

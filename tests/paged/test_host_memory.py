@@ -50,7 +50,7 @@ def test_a_large_cache_sits_on_huge_pages_where_the_os_allows(shared: bool) -> N
 def test_a_shared_cache_is_a_memfd_another_process_can_map() -> None:
     """``shared_region`` names the memfd: its file (through /proc, as a reader on this
     host opens it) holds the tensor's bytes; the fd closes with the tensor."""
-    t = kv_cache_zeros((2, 64, 16, 8, 64), torch.bfloat16)
+    t = kv_cache_zeros((2, 64, 16, 8, 64), torch.bfloat16, shared=True)
     region = shared_region(t)
     assert region is not None and region.address <= t.data_ptr()
     assert t.data_ptr() + t.nbytes <= region.address + region.nbytes
@@ -61,7 +61,7 @@ def test_a_shared_cache_is_a_memfd_another_process_can_map() -> None:
         f.seek(t.data_ptr() - region.address)
         assert f.read(16) == bytes(range(16))
     assert shared_region(t[1]) is None  # a view that does not start the tensor
-    assert shared_region(kv_cache_zeros((2, 64, 16, 8, 64), torch.bfloat16, shared=False)) is None
+    assert shared_region(kv_cache_zeros((2, 64, 16, 8, 64), torch.bfloat16)) is None  # default
     assert shared_region(torch.zeros(4)) is None
     fd = region.fd
     del t

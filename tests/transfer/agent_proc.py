@@ -55,7 +55,7 @@ class Spec:
     fused: bool = False  # vLLM CPU caches (K^T | V per block and head); needs HND
     config: dict[str, Any] = field(default_factory=dict)
     manual_clock: bool = False  # the grant table's clock moves only on ``advance``
-    shared: bool = False  # caches in shared memory (``kv_cache_zeros``), as the engine's
+    shared: bool = False  # caches in shared memory (``kv_cache_zeros(shared=True)``)
 
     def topology(self) -> EngineTopology:
         return EngineTopology(
@@ -101,7 +101,8 @@ def make_caches(spec: Spec) -> list[torch.Tensor]:
     if spec.shared:
         from kvbridge.paged.host_memory import kv_cache_zeros
 
-        caches = [kv_cache_zeros(shape, torch.bfloat16).copy_(layer) for layer in caches]
+        caches = [kv_cache_zeros(shape, torch.bfloat16, shared=True).copy_(layer)
+                  for layer in caches]
     return caches
 
 
@@ -206,17 +207,17 @@ def _child(conn: Connection) -> None:
 
 
 def _count_memmoves() -> list[int]:
-    """Count the bytes same-host copies take from maps of a server's caches (inline,
-    and over the copy threads) in this process; the list they are added to."""
-    from kvbridge.transfer.reading import copier, inline
+    """Count the bytes inline reads take from maps of a server's caches in this
+    process; the list they are added to."""
+    from kvbridge.transfer.reading import inline
 
     moved: list[int] = []
-    for module in (copier, inline):
-        def counted(ours: int, theirs: int, nbytes: int, real: Any = module._memmove) -> Any:
-            moved.append(nbytes)
-            return real(ours, theirs, nbytes)
 
-        module._memmove = counted  # type: ignore[attr-defined]
+    def counted(ours: Any, theirs: Any, nbytes: Any, real: Any = inline.memmove) -> Any:
+        moved.append(nbytes.value)  # ready-made ctypes arguments (``memmove_rows``)
+        return real(ours, theirs, nbytes)
+
+    inline.memmove = counted  # type: ignore[attr-defined]
     return moved
 
 

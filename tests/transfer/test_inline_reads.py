@@ -34,7 +34,7 @@ NOTHING_INLINE = "test_a_read_the_board_does_not_allow_copies_nothing"
 
 def in_shared_memory(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies in memfds (``kv_cache_zeros``), which a reader maps and memmoves from."""
-    copies = [kv_cache_zeros(tuple(t.shape), t.dtype) for t in tensors]
+    copies = [kv_cache_zeros(tuple(t.shape), t.dtype, shared=True) for t in tensors]
     for copy, tensor in zip(copies, tensors, strict=True):
         copy.copy_(tensor)
     return copies
@@ -52,13 +52,13 @@ def agents(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     if request.param == "shared":
         p_caches, d_caches = in_shared_memory(p_caches), in_shared_memory(d_caches)
 
-        real_memmove = inline._memmove
+        real_memmove = inline.memmove
 
-        def memmove(ours: int, theirs: int, nbytes: int) -> int:
-            moves.append(nbytes)
-            return int(real_memmove(ours, theirs, nbytes))
+        def memmove(ours: Any, theirs: Any, nbytes: Any) -> None:
+            moves.append(nbytes.value)
+            real_memmove(ours, theirs, nbytes)
 
-        monkeypatch.setattr(inline, "_memmove", memmove)
+        monkeypatch.setattr(inline, "memmove", memmove)
     server.register_kv_caches(p_caches)
     reader.register_kv_caches(d_caches)
     server.start()

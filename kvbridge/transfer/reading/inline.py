@@ -20,6 +20,11 @@ go back). The kernel copies the iovecs of one call in order, so the seq read
 in the same call as the blocks was read after them. The board is read before a
 byte is copied: a grant for another prompt never lands one.
 
+Where the server's caches are in shared memory it offers (``HostInfo.regions``,
+``paged/host_memory.py``), the blocks are ``memmove``d out of this process's
+read-only map of them instead, and the seq read from the board's map after them
+(``CopySource.mapped_rows``, ``board_seq``): no system call at all.
+
 What a read copies (its ranges, both sides) is kept per (link, plan item, block
 ids, tokens): a request read again, or one with the same blocks (a benchmark),
 only sets the seq's address. Kept ranges are used only while the place
@@ -39,7 +44,6 @@ never leaves bytes the grant did not cover.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Hashable
@@ -56,6 +60,9 @@ from kvbridge.transfer.reading.copier import (
     CopyRefusedError,
     CopySource,
     IovArray,
+    MemmoveArgs,
+    memmove,
+    memmove_rows,
     zero_rows,
 )
 from kvbridge.transfer.reading.jobs import ReadJob
@@ -75,22 +82,6 @@ __all__ = ["InlineReader"]
 logger = logging.getLogger(__name__)
 
 _MAX_KEPT = 256  # prepared copies kept (the oldest goes first)
-
-
-def _bind_memmove() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """libc's memmove called with the GIL held (``ctypes.memmove`` lets it go).
-
-    An inline copy is short (one part, ``Copier.num_parts``) and made of many rows:
-    let go of the GIL per row and another thread of ours (the agent's loop, on its
-    report timer) may take it mid-read and keep it for its whole turn.
-    """
-    memmove = ctypes.PyDLL(None).memmove
-    memmove.restype = ctypes.c_void_p
-    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return memmove
-
-
-_memmove = _bind_memmove()
 
 
 @dataclass(slots=True)
@@ -115,9 +106,9 @@ class _Prepared:
     remote: IovArray  # the server's block ranges (row for row), then seq and probe rows
     tail: np.ndarray  # the seq (8 bytes) and the probe land here
     whole: bool  # blocks, seq and probe in one call (else: ``Copier.copy_here``, ``check``)
-    # (ours, our map of the server's, nbytes) per row when its caches are mapped
-    # (``CopySource.mapped_rows``): copied with memmove, no system call; else None.
-    pairs: list[tuple[int, int, int]] | None
+    # memmove's arguments per row when the server's caches are mapped
+    # (``CopySource.mapped_rows``, ``memmove_rows``): no system call; else None.
+    pairs: list[MemmoveArgs] | None
 
 
 class InlineReader:
@@ -150,6 +141,7 @@ class InlineReader:
                 prepared = self._prepare(link, item, job)
                 if prepared is None:
                     return None
+                self._drop_stale()
                 if len(self._prepared) >= _MAX_KEPT:
                     del self._prepared[next(iter(self._prepared))]
                 self._prepared[key] = prepared
@@ -163,6 +155,15 @@ class InlineReader:
                 logger.debug("inline copy from %s not kept: %s", link.peer, exc)
                 return None
         return ItemResult(prepared.nbytes, 1, direct=True, local_copy=True, unasked=True)
+
+    def _drop_stale(self) -> None:
+        """Forget the copies of links that died or stopped copying: they hold the link,
+        and through it its maps of the server's caches (``CopySource``), which stay
+        mapped (the memory of a server that restarted, GiBs) while anything holds them."""
+        stale = [key for key, prepared in self._prepared.items()
+                 if not prepared.link.alive or prepared.link.same_host is None]
+        for key in stale:
+            del self._prepared[key]
 
     @staticmethod
     def _valid(link: PeerLink, item: RemoteRead, prepared: _Prepared) -> bool:
@@ -205,8 +206,7 @@ class InlineReader:
         pairs = None
         if (mapped is not None and mapped.shape == blocks_local.shape
                 and np.array_equal(mapped[:, 1], blocks_local[:, 1])):
-            pairs = list(zip(blocks_local[:, 0].tolist(), mapped[:, 0].tolist(),
-                             mapped[:, 1].tolist(), strict=True))
+            pairs = memmove_rows(blocks_local, mapped)
         return _Prepared(link, item, copy_shape(setup.request), go, layers, origins,
                          list(setup.request.block_ids), nbytes, local, remote, tail, whole,
                          pairs)
@@ -228,13 +228,13 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
     try:
         if prepared.pairs is not None:  # from our map of the server's caches
             for ours, theirs, nbytes in prepared.pairs:
-                _memmove(ours, theirs, nbytes)
+                memmove(ours, theirs, nbytes)
             seq = source.board_seq(spot)  # loaded after the bytes (x86 keeps loads in order)
             kept = source.check(spot) if seq is None else seq == spot.seq
             return kept
         if not prepared.whole:
             assert link.ctx.copier is not None
-            link.ctx.copier.copy_here(source, local[:-2], remote[:-2], prepared.go.place)
+            link.ctx.copier.copy_here(source, local[:-2], remote[:-2])
             kept = source.check(spot)  # False: the grant changed while we copied
             return kept
         remote[-2, 0] = spot.seq_address

@@ -157,8 +157,7 @@ class SameHostCopy(BegunRead):
             copy.spot = source.find_grant(request.grant, request.block_ids,
                                           request.prompt_digest, guess.place)
             if copy.spot is not None:
-                copy.early = ctx.copier.start(source, local_iov, copy._remote_ranges(guess),
-                                              guess.place)
+                copy.early = ctx.copier.start(source, local_iov, copy._remote_ranges(guess))
                 return copy
         # Not on the board: ask, and copy only after the go. Never copy before someone
         # said yes: a grant for another prompt (or other blocks) must not land a byte.
@@ -209,7 +208,7 @@ class SameHostCopy(BegunRead):
                 zero_rows(self.local_iov)  # not kept: leave none of it behind
                 self._ask()  # the grant changed meanwhile, or the copy failed
             go = await self._copy_go()
-            await copier.copy(self.source, self.local_iov, self._remote_ranges(go), go.place)
+            await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
             took_s = time.monotonic() - self.started
             if took_s >= go.hold_s:  # the server may have handed the blocks back
                 raise PeerTimeoutError(f"same-host copy from {link.peer} took "
