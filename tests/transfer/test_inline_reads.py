@@ -145,6 +145,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     them); moved caches are copied from their new place."""
     server, reader, p_caches, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
+    wait_until(lambda: len(server.grants) == 0, 5.0, message="link's done report")
     real_find = copier.find_grant
     changed: list[str] = []
 
@@ -216,3 +217,32 @@ def test_a_read_the_board_does_not_allow_copies_nothing(agents: tuple, case: str
     wait_until(lambda: "bound" in reader.get_finished()[1], 10.0, message="read")
     assert reader.get_failed_block_ids() == {"bound": {12, 13}}
     assert not any(layer[:, [12, 13]].any() for layer in d_caches)
+
+
+def test_copies_of_a_dead_link_are_forgotten_when_a_new_link_copies(agents: tuple) -> None:
+    """A prepared copy holds its link and, through it, the maps of that server's caches:
+    once the server is gone, the next new link's first copy forgets them (a restarted
+    server's old caches are not kept mapped by the reader)."""
+    server, reader, p_caches, d_caches = agents
+    inline_reader = reader._running.reads._inline  # type: ignore[union-attr]
+    first = TransferAgent("p-first", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
+    first.register_kv_caches(caches(5))
+    first.start()
+    try:
+        for n in range(2):  # the link's first read opens it, the second is made inline
+            token = first.issue_grant(f"first-{n}", [3], 1)
+            reader.start_read(token.request_id, engine_id="p-first", host="127.0.0.1",
+                              port=first.port, remote_block_ids=[3], local_block_ids=[4],
+                              grant=token.token, num_tokens=BLOCK_SIZE)
+            wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
+                       message="read")
+        assert {p.link.peer for p in inline_reader._prepared.values()} == {
+            f"127.0.0.1:{first.port}"}
+    finally:
+        first.close()
+    wait_until(lambda: not any(p.link.alive for p in inline_reader._prepared.values()), 10.0,
+               message="the link to see its server gone")
+    for n in range(2):
+        read_now(server, reader, f"next-{n}", [1], [2])
+    assert all(p.link.alive for p in inline_reader._prepared.values())
+    assert len(inline_reader._prepared) == 1

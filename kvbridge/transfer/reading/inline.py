@@ -21,9 +21,9 @@ in the same call as the blocks was read after them. The board is read before a
 byte is copied: a grant for another prompt never lands one.
 
 Where the server's caches are in shared memory it offers (``HostInfo.regions``,
-``paged/host_memory.py``), the blocks are ``memmove``d out of this process's
-read-only map of them instead, and the seq read from the board's map after them
-(``CopySource.mapped_rows``, ``board_seq``): no system call at all.
+``kv_cache_zeros(shared=True)``), a one-part read ``memmove``s the blocks out of
+this process's read-only map of them instead, and reads the seq from the board's
+map after them (``CopySource.mapped_rows``, ``board_seq``): no system call at all.
 
 What a read copies (its ranges, both sides) is kept per (link, plan item, block
 ids, tokens): a request read again, or one with the same blocks (a benchmark),
@@ -119,6 +119,7 @@ class InlineReader:
 
     def __init__(self) -> None:
         self._prepared: dict[Hashable, _Prepared] = {}
+        self._links_seen: set[int] = set()  # ids of the links of ``_prepared``'s copies
         self._lock = threading.Lock()
 
     def read(self, link: PeerLink, item: RemoteRead, job: ReadJob) -> ItemResult | None:
@@ -141,7 +142,10 @@ class InlineReader:
                 prepared = self._prepare(link, item, job)
                 if prepared is None:
                     return None
-                self._drop_stale()
+                if id(link) not in self._links_seen or len(self._prepared) >= _MAX_KEPT:
+                    self._drop_stale()  # a new link: maybe one replacing a dead one
+                    self._links_seen = {id(p.link) for p in self._prepared.values()}
+                    self._links_seen.add(id(link))
                 if len(self._prepared) >= _MAX_KEPT:
                     del self._prepared[next(iter(self._prepared))]
                 self._prepared[key] = prepared
