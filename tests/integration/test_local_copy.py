@@ -225,12 +225,14 @@ def test_caches_that_moved_are_never_copied_from_their_old_place(
     must not copy from where the handshake said the blocks were."""
     server = add(hosts[0], P_SPEC)
     reader = add(hosts[1], D_SPEC)
-    read_ok(server, reader, "before", [1, 2], [3, 4])  # on the board; then the caches move
-    assert server.call("counters").num_board_copies == 1
-    read_ok(server, reader, "moved", [5, 6], [3, 4])  # the board's place differs: asks
-    assert server.call("counters").num_board_copies == 1
-    read_ok(server, reader, "settled", [7, 8], [3, 4])  # the new go's place: on the board
-    assert server.call("counters").num_board_copies == 2
+    for request_id, blocks, board_copies in [
+        ("before", [1, 2], 1),  # on the board; then the caches move
+        ("moved", [5, 6], 1),  # the board's place differs: asks
+        ("settled", [7, 8], 2),  # the new go's place: on the board
+    ]:
+        read_ok(server, reader, request_id, blocks, [3, 4])
+        wait_released(server, request_id)  # its done report (counted by the server) arrived
+        assert server.call("counters").num_board_copies == board_copies, request_id
 
 
 @pytest.mark.parametrize("case", ["outside", "prompt", "expired", "released"])
