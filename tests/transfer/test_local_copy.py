@@ -17,7 +17,9 @@ from multiprocessing.connection import Connection
 import msgspec
 import numpy as np
 import pytest
+import torch
 
+from kvbridge.paged.host_memory import kv_cache_zeros, shared_region
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import GrantBoard
@@ -240,3 +242,26 @@ def test_a_shared_copy_that_faults_stops_and_raises(holder: Holder) -> None:
         assert np.array_equal(out[:run], holder.pool[:run])  # the first piece landed
     finally:
         copier.close()
+
+
+def test_mapped_rows_stay_inside_the_maps_whatever_the_server_says() -> None:
+    """A server's shared caches (``HostInfo.regions``) are mapped and rows inside them are
+    translated; rows outside, straddling the end, or near 2**64 (wrapping when added)
+    are not: those copies go through ``process_vm_readv``, which reports a bad address."""
+    cache = kv_cache_zeros((2, 64, 16, 8, 64), torch.bfloat16, shared=True)
+    region = shared_region(cache)
+    assert region is not None
+    probe = ProbeCell()  # alive while the source checks it
+    info = msgspec.structs.replace(
+        probe.host_info(), place=7,
+        regions=np.array([[region.address, region.nbytes, region.fd, region.inode]],
+                         dtype=np.uint64).tobytes())
+    source = CopySource.open(info, "self")
+    assert source is not None
+    start, end = region.address, region.address + region.nbytes
+    inside = source.mapped_rows(np.array([[start, 4096], [end - 64, 64]], dtype=np.uint64), 7)
+    assert inside is not None and (inside[:, 1] == [4096, 64]).all()
+    assert source.mapped_rows(np.array([[start, 4096]], dtype=np.uint64), 8) is None  # moved
+    for row in ([end - 64, 65], [end, 1], [start - 1, 1], [2**64 - 16, 32],
+                [start, 2**64 - start + 16]):
+        assert source.mapped_rows(np.array([row], dtype=np.uint64), 7) is None, row

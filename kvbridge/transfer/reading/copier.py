@@ -197,6 +197,8 @@ class CopySource:
         if not regions or len(regions) % 32 or not self._regions_place:
             return
         quads = np.frombuffer(regions, dtype=np.uint64).reshape(-1, 4)
+        if (quads[:, :2] >= np.uint64(1 << 63)).any():  # so address + nbytes cannot wrap
+            return
         maps = [map_shared(self.pid, fd, nbytes, inode) for _, nbytes, fd, inode in quads.tolist()]
         if any(m is None for m in maps):
             logger.info("pid %d's caches not mapped: copies go through process_vm_readv",
@@ -214,8 +216,14 @@ class CopySource:
         made after they moved), or a row is outside them."""
         if not self._maps or place != self._regions_place or not len(remote):
             return None
-        at = np.searchsorted(self._starts, remote[:, 0], side="right").astype(np.int64) - 1
-        if (at < 0).any() or (remote[:, 0] + remote[:, 1] > self._ends[np.maximum(at, 0)]).any():
+        address, nbytes = remote[:, 0], remote[:, 1]
+        at = np.searchsorted(self._starts, address, side="right").astype(np.int64) - 1
+        if (at < 0).any():
+            return None
+        end = self._ends[at]
+        # Compared without adding: a row near 2**64 (the server's word) must not wrap
+        # around into the map and send a memmove outside it.
+        if ((address > end) | (nbytes > end - np.minimum(address, end))).any():
             return None
         rows = remote.copy()
         rows[:, 0] = remote[:, 0] - self._starts[at] + self._bases[at]
