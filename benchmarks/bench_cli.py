@@ -31,7 +31,7 @@ from benchmarks.peers.placement import NetnsUnavailableError, check_netns
 from benchmarks.plots import PlotUnavailable, save_plot
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
-DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake"
+DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake,kvbridge_copy"
 DEFAULT_CONNECTORS = "colocated,kvbridge,kvbridge-classic,nixl"
 
 

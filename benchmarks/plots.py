@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 _MIB = 1 << 20
-_COLORS = {"kvbridge": "tab:red", "kvbridge_ucx": "tab:orange", "ucx_perftest": "tab:gray",
+_COLORS = {"kvbridge": "tab:red", "kvbridge_ucx": "tab:orange", "kvbridge_copy": "tab:pink",
+           "ucx_perftest": "tab:gray",
            "ucx_perftest_get": "black", "nixl": "tab:blue", "mooncake": "tab:green"}
 
 

@@ -12,6 +12,8 @@ request at a time::
     parent --grant(ids)--> server        issue_grant, reply with the token
     parent --read(ids, token)--> reader  start_read ... get_finished, reply seconds
     parent --verify(ids)--> reader       count wrong blocks, reply the count
+    parent --where--> server             its pid and cache addresses (``kvbridge_copy``)
+    parent --copy(ids, where)--> reader  bare process_vm_readv of the blocks, reply seconds
 
 The server's caches hold a pattern: 8-byte word ``w`` of half ``h`` (K or V) of
 block ``b`` in layer ``l`` is ``((l << 48) | (h << 47) | (b << 20) | w) * MIX + 1``
@@ -22,6 +24,7 @@ the blocks it read, so a misplaced, torn or stray block is caught.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -98,9 +101,13 @@ def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
         _words(cache)[:] = pattern(layer, all_ids)
     conn.send(agent.start())
     try:
-        while (msg := conn.recv())[0] == "grant":
-            agent.get_finished()  # releases of earlier grants
-            conn.send(agent.issue_grant(msg[1], msg[2], 1, lease_s=120.0).token)
+        while (msg := conn.recv())[0] != "close":
+            match msg:
+                case ("grant", request_id, block_ids):
+                    agent.get_finished()  # releases of earlier grants
+                    conn.send(agent.issue_grant(request_id, block_ids, 1, lease_s=120.0).token)
+                case ("where",):  # for the copy yardstick (``CopyYardstick``)
+                    conn.send((os.getpid(), [cache.data_ptr() for cache in caches]))
     finally:
         agent.close()
         conn.send("closed")
@@ -110,6 +117,7 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: st
                port: int, local_copy: bool) -> None:
     agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy)
     agent.start()
+    copies = CopyYardstick(caches)
     conn.send("ready")
     try:
         while (msg := conn.recv())[0] != "close":
@@ -117,6 +125,8 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: st
                 case ("read", request_id, remote_ids, local_ids, token):
                     conn.send(_timed_read(agent, host, port, request_id, remote_ids,
                                           local_ids, token))
+                case ("copy", remote_ids, local_ids, pid, bases):
+                    conn.send(copies.timed(remote_ids, local_ids, pid, bases))
                 case ("zero",):
                     for cache in caches:
                         cache.zero_()
@@ -144,6 +154,60 @@ def _timed_read(agent: Any, host: str, port: int, request_id: str, remote_ids: l
         return f"read {request_id} failed: {errors}"
     num_messages = sum(s.num_messages for s in agent.get_stats())
     return elapsed, num_messages
+
+
+class CopyYardstick:
+    """The kernel's part of a same-host read, alone: the ``kvbridge_copy`` pseudo-peer.
+
+    The same blocks (every layer's K and V run of each, 32 KiB apiece, scattered
+    ids) copied out of the server process by bare ``process_vm_readv`` calls
+    (at most ``IOV_MAX`` rows each), with no grant, board, check or outcome
+    around them: what a same-host read would cost with no Python at all. Its
+    ratio says how much of the kernel's speed a kvbridge read delivers; NIXL's
+    UCX (``cma``) makes the same calls. The rows are built before the clock starts.
+    """
+
+    IOV_MAX = 1024
+
+    def __init__(self, caches: list[Any]) -> None:
+        self._caches = caches
+        self._rows: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._readv = libc.process_vm_readv
+        self._readv.restype = ctypes.c_ssize_t
+        self._readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+
+    def _ranges(self, bases: list[int], ids: list[int]) -> npt.NDArray[np.uint64]:
+        """``struct iovec`` rows of ``ids`` in caches at ``bases``: layer, half, block order."""
+        plane = self._caches[0][0].nbytes // self._caches[0].shape[1]  # one block's K run
+        half = self._caches[0][0].nbytes
+        starts = (np.array(bases, dtype=np.uint64)[:, None, None]
+                  + np.array([0, half], dtype=np.uint64)[None, :, None]
+                  + np.array(ids, dtype=np.uint64)[None, None, :] * np.uint64(plane))
+        rows = np.empty((starts.size, 2), dtype=np.uint64)
+        rows[:, 0] = starts.reshape(-1)
+        rows[:, 1] = plane
+        return rows
+
+    def timed(self, remote_ids: list[int], local_ids: list[int], pid: int,
+              bases: list[int]) -> float | str:
+        """Seconds of one copy of the blocks, or the error text of a failed one."""
+        key = (tuple(remote_ids), tuple(local_ids), pid, tuple(bases))
+        if key not in self._rows:
+            local = self._ranges([cache.data_ptr() for cache in self._caches], local_ids)
+            self._rows[key] = (local, self._ranges(bases, remote_ids))
+        local, remote = self._rows[key]
+        calls = []
+        for start in range(0, len(local), self.IOV_MAX):
+            lo, re = local[start:start + self.IOV_MAX], remote[start:start + self.IOV_MAX]
+            calls.append((lo.ctypes.data, len(lo), re.ctypes.data, len(re), int(lo[:, 1].sum())))
+        readv = self._readv
+        started = time.perf_counter()
+        for lo_rows, num_lo, re_rows, num_re, want in calls:
+            if readv(pid, lo_rows, num_lo, re_rows, num_re, 0) != want:
+                return f"process_vm_readv: {os.strerror(ctypes.get_errno())} (or a short copy)"
+        return time.perf_counter() - started
 
 
 def _num_wrong(caches: list[Any], remote_ids: npt.NDArray[np.int64],
@@ -255,9 +319,7 @@ class AgentPair:
         Raises:
             AgentPairError: a read failed or a child stopped answering.
         """
-        rng = np.random.default_rng([_SEED, num_blocks])
-        remote_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
-        local_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
+        remote_ids, local_ids = self._block_ids(num_blocks)
         for _ in range(_NUM_WARMUP):
             self.read_once(remote_ids, local_ids)
         self._call(self._reader, "zero")
@@ -270,6 +332,37 @@ class AgentPair:
             note += f"; {num_wrong} of {num_blocks} blocks wrong"
         return summarize(self.name, nbytes, num_blocks * self.num_layers, durations_s,
                          num_wrong == 0, note)
+
+    def measure_copy(self, num_blocks: int, num_iters: int, nbytes: int) -> PeerResult:
+        """As ``measure``, for the bare copies of ``CopyYardstick`` (both on one host).
+
+        Raises:
+            AgentPairError: a copy failed or a child stopped answering.
+        """
+        remote_ids, local_ids = self._block_ids(num_blocks)
+        pid, bases = self._call(self._server, "where")
+        for _ in range(_NUM_WARMUP):
+            self._call(self._reader, "copy", remote_ids, local_ids, pid, bases)
+        self._call(self._reader, "zero")
+        durations_s = []
+        for _ in range(num_iters):
+            outcome = self._call(self._reader, "copy", remote_ids, local_ids, pid, bases)
+            if isinstance(outcome, str):
+                raise AgentPairError(outcome)
+            durations_s.append(float(outcome))
+        num_wrong = self._call(self._reader, "verify", remote_ids, local_ids)
+        note = f"{self.num_layers} layers x {num_blocks} blocks, bare process_vm_readv"
+        if num_wrong:
+            note += f"; {num_wrong} of {num_blocks} blocks wrong"
+        return summarize(self.name, nbytes, num_blocks * self.num_layers, durations_s,
+                         num_wrong == 0, note)
+
+    def _block_ids(self, num_blocks: int) -> tuple[list[int], list[int]]:
+        """The scattered remote and local block ids every system reads at this size."""
+        rng = np.random.default_rng([_SEED, num_blocks])
+        remote_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
+        local_ids = [int(b) for b in rng.choice(self.num_pool_blocks, num_blocks, False)]
+        return remote_ids, local_ids
 
     def close(self) -> None:
         """Ask both children to stop; kill any still alive after ``timeout_s``."""

@@ -27,7 +27,9 @@ reading agent, timed from ``start_read`` to the read showing up in
 Both are on this host, so by default the reader copies the blocks out of the
 server's process itself (``kvbridge.transfer.reading.same_host``); the pseudo-peer
 ``kvbridge_ucx`` runs the same with that off: every byte through UCX, as
-between two hosts.
+between two hosts; ``kvbridge_copy`` times the kernel's part of a same-host read
+alone (the same blocks by bare ``process_vm_readv`` calls, no grant, board or
+outcome around them), the floor a same-host read cannot go below.
 Block ids are scattered over a pool twice the largest request (at least 32
 blocks: 2 MiB per layer, so caches get huge pages as an engine's do). After the timed
 requests of each size the reader checks every named block against the pattern
@@ -68,6 +70,9 @@ LATENCY_PIECES = MAX_LAYERS  # one block of the 32-layer model
 _TIMEOUT_S = 300.0
 #: Run kvbridge a second time with same-host copies off (every byte through UCX).
 KVBRIDGE_UCX = "kvbridge_ucx"
+#: The same blocks by bare ``process_vm_readv`` calls, nothing around them (one host only).
+KVBRIDGE_COPY = "kvbridge_copy"
+OWN_PSEUDO_PEERS = (KVBRIDGE_UCX, KVBRIDGE_COPY)
 
 Progress = Callable[[str, int, int], None]
 """``progress(what just finished, steps done, total steps)``."""
@@ -120,7 +125,8 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
     ``name`` ``kvbridge``: as configured by default (both agents on this host,
     so the reader copies out of the server's process); ``kvbridge_ucx``: with
     same-host copies off, every byte through UCX as between two hosts. On two
-    namespace hosts (``placement``) both are the latter.
+    namespace hosts (``placement``) both are the latter. ``kvbridge_copy``: the
+    kernel's part alone (``transfer_agents.CopyYardstick``), one host only.
 
     Raises:
         RuntimeError: a read failed or the data did not verify.
@@ -134,8 +140,9 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
         with AgentPair(num_layers, num_pool_blocks, _TIMEOUT_S,
                        local_copy=name != KVBRIDGE_UCX, name=name, placement=placement) as pair:
             for point in group:
-                results.append(pair.measure(point.num_blocks, kvbridge_iters(point.nbytes, quick),
-                                            point.nbytes))
+                measure = pair.measure_copy if name == KVBRIDGE_COPY else pair.measure
+                results.append(measure(point.num_blocks, kvbridge_iters(point.nbytes, quick),
+                                       point.nbytes))
                 if progress is not None:
                     progress(f"{name} {point.nbytes >> 10} KiB", len(results), len(points))
     results.sort(key=lambda r: r.nbytes)
@@ -204,10 +211,10 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
         NetnsUnavailableError: ``netns`` and the hosts cannot be built (before
             anything runs).
     """
-    unknown = [p for p in peers if p not in PEER_NAMES and p != KVBRIDGE_UCX]
+    unknown = [p for p in peers if p not in PEER_NAMES and p not in OWN_PSEUDO_PEERS]
     if unknown:
         raise ValueError(f"unknown peers {unknown}; known: "
-                         f"{', '.join((*PEER_NAMES, KVBRIDGE_UCX))}")
+                         f"{', '.join((*PEER_NAMES, *OWN_PSEUDO_PEERS))}")
     points = [SizePoint.of(n) for n in (pieces or (QUICK_PIECES if quick else FULL_PIECES))]
     hosts = netns_placement() if netns else contextlib.nullcontext(LOOPBACK)
     with hosts as placement:  # namespaces (if any) are gone when this block is left
@@ -232,7 +239,9 @@ def _run_all(points: Sequence[SizePoint], quick: bool, peers: Sequence[str],
     failures: dict[str, dict[int, str]] = {}
     for name in peers:
         offset += len(points)
-        if name == KVBRIDGE_UCX:  # ours too: a failure is one
+        if name == KVBRIDGE_COPY and not placement.same_host:
+            outcomes[name], failed = Unavailable(name, "needs both processes on one host"), {}
+        elif name in OWN_PSEUDO_PEERS:  # ours too: a failure is one
             outcomes[name], failed = run_kvbridge(points, quick, name=name,
                                                   placement=placement), {}
         else:

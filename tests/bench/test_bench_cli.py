@@ -22,7 +22,7 @@ import torch
 from benchmarks import bench_tables
 from benchmarks.bench_cli import ProgressBar, build_parser
 from benchmarks.plots import save_plot
-from benchmarks.transfer_agents import _num_wrong, _words, pattern
+from benchmarks.transfer_agents import CopyYardstick, _num_wrong, _words, pattern
 from benchmarks.transfer_bench import PIECE_NBYTES, SizePoint, run
 from kvbridge.cli.bench import run_bench, source_root
 from kvbridge.cli.main import main as kvbridge_main
@@ -54,6 +54,36 @@ def test_bench_transfer_one_size_verifies(tmp_path: Path) -> None:
     (row,) = result["systems"]["kvbridge"]
     assert row["verified"] and row["nbytes"] == PIECE_NBYTES and row["num_iters"] == 50
     assert not (tmp_path / "transfer.png").exists()
+
+
+@pytest.mark.integration  # two agent processes on loopback
+def test_copy_yardstick_runs_beside_kvbridge_and_verifies(tmp_path: Path) -> None:
+    code = kvbridge_main(["bench", "transfer", "--quick", "--pieces", "16", "--peers",
+                          "kvbridge_copy", "--no-plot", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "transfer.json").read_text())["result"]
+    (row,) = result["systems"]["kvbridge_copy"]
+    assert row["verified"] and row["nbytes"] == 16 * PIECE_NBYTES
+    assert "bare process_vm_readv" in row["note"]
+    assert result["ratios"]["kvbridge_copy"][str(16 * PIECE_NBYTES)] > 0
+
+
+def test_copy_yardstick_copies_the_named_blocks_only() -> None:
+    # The server's side is this process: its "remote" caches hold the pattern.
+    num_layers, num_pool_blocks = 2, 6
+    shape = (2, num_pool_blocks, 16, 8, 128)
+    theirs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
+    for layer, cache in enumerate(theirs):
+        _words(cache)[:] = pattern(layer, np.arange(num_pool_blocks))
+    ours = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
+    copies = CopyYardstick(ours)
+    remote_ids, local_ids = [4, 1], [0, 3]
+    seconds = copies.timed(remote_ids, local_ids, os.getpid(),
+                           [cache.data_ptr() for cache in theirs])
+    assert isinstance(seconds, float) and seconds > 0
+    assert _num_wrong(ours, np.array(remote_ids), np.array(local_ids)) == 0
+    failed = copies.timed(remote_ids, local_ids, os.getpid(), [8, 8])  # unmapped: EFAULT
+    assert isinstance(failed, str) and "process_vm_readv" in failed
 
 
 def test_unknown_peer_is_rejected_before_running() -> None:
