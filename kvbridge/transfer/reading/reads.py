@@ -152,7 +152,7 @@ class Reads:
             return False
         if result is None:
             return False
-        self._record(job, [result], [], 1)
+        self._record_inline(job, result)
         self._unreported.append((route[0], job.grant, result.nbytes))
         if not self._reporter_armed:  # else the loop looks within _REPORT_EVERY_S
             self._reporter_armed = True
@@ -437,6 +437,20 @@ class Reads:
             self._outcome.notify_all()
         # The outcome is for another thread of this process: let it have the GIL.
         self._worker.stop_spinning()
+        if self._on_outcome is not None:
+            self._on_outcome()
+
+    def _record_inline(self, job: ReadJob, result: ItemResult) -> None:
+        """``_record`` of an inline read that succeeded, on the caller's thread: the same
+        stats without the general case's sums, and no loop to stop spinning (this
+        thread has the GIL and is the one that looks at the outcome)."""
+        stats = ReadStats(job.request_id, True, result.nbytes,
+                          time.monotonic() - job.submitted_at, result.num_messages + 1, 1,
+                          num_direct=int(result.direct), num_local_copies=int(result.local_copy))
+        with self._lock:
+            self._finished.add(job.request_id)
+            self._stats.append(stats)
+            self._outcome.notify_all()
         if self._on_outcome is not None:
             self._on_outcome()
 
