@@ -251,7 +251,7 @@ class CopySource:
         if self._board_fd < 0 or not self.board_slots:
             return
         nbytes = (self.board_slots + WINDOW - 1) * SLOT_NBYTES
-        board = map_shared(self.pid, self._board_fd, nbytes + TAG_NBYTES)
+        board = map_shared(self.pid, self._board_fd, nbytes + TAG_NBYTES, populate=True)
         if board is None:
             return
         tag = np.zeros(TAG_NBYTES, dtype=np.uint8)
