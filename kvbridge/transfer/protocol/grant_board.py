@@ -75,7 +75,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -238,8 +238,7 @@ class GrantBoard:
         self._used[slot] = False
 
 
-@dataclass(frozen=True, slots=True)
-class BoardSpot:
+class BoardSpot(NamedTuple):
     """Where a reader found its grant: the slot's seq address and the value it read."""
 
     seq_address: int

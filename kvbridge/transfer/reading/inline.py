@@ -106,6 +106,7 @@ class _Prepared:
     remote: IovArray  # the server's block ranges (row for row), then seq and probe rows
     tail: np.ndarray  # the seq (8 bytes) and the probe land here
     whole: bool  # blocks, seq and probe in one call (else: ``Copier.copy_here``, ``check``)
+    rows: tuple[int, int, int]  # ``local``'s and ``remote``'s addresses, bytes in all (whole)
     # memmove's arguments per row when the server's caches are mapped
     # (``CopySource.mapped_rows``, ``memmove_rows``): no system call; else None.
     pairs: list[MemmoveArgs] | None
@@ -211,9 +212,10 @@ class InlineReader:
         if (mapped is not None and mapped.shape == blocks_local.shape
                 and np.array_equal(mapped[:, 1], blocks_local[:, 1])):
             pairs = memmove_rows(blocks_local, mapped)
+        rows = (local.ctypes.data, remote.ctypes.data, nbytes + len(tail))
         return _Prepared(link, item, copy_shape(setup.request), go, layers, origins,
                          list(setup.request.block_ids), nbytes, local, remote, tail, whole,
-                         pairs)
+                         rows, pairs)
 
 
 def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob) -> bool:
@@ -242,9 +244,9 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
             kept = source.check(spot)  # False: the grant changed while we copied
             return kept
         remote[-2, 0] = spot.seq_address
-        rows = len(local)
-        source.readv_rows(local.ctypes.data, rows, remote.ctypes.data, rows,
-                          prepared.nbytes + len(prepared.tail))
+        num_rows = len(local)
+        local_rows, remote_rows, want = prepared.rows
+        source.readv_rows(local_rows, num_rows, remote_rows, num_rows, want)
         tail = prepared.tail.tobytes()
         if tail[8:] != source.probe:
             raise PeerClosedError(f"pid {source.pid} is no longer the server (probe differs)")

@@ -17,9 +17,10 @@ from kvbridge.transfer.errors import MissingPortError
 __all__ = ["ReadJob", "ReadStats", "checked_ports"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadJob:
-    """One ``start_read`` call (validated by the agent).
+    """One ``start_read`` call (validated by the agent). Never changed once made (not
+    ``frozen``: that costs 0.75 us per read to build, a tenth of a read's Python).
 
     ``port``: the serving engine's base port (its rank ``g`` listens on ``port +
     g``), or the port of each of its global ranks (index = rank).

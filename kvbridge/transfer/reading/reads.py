@@ -112,6 +112,7 @@ class Reads:
         self._reporter_armed = False
         self._lock = threading.Lock()
         self._outcome = threading.Condition(self._lock)  # notified when _finished grows
+        self._num_waiting = 0  # threads in wait_finished (under _lock): none, no notify
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
         self._stats: list[ReadStats] = []
@@ -125,7 +126,11 @@ class Reads:
     def wait_finished(self, timeout_s: float) -> bool:
         """Block until an outcome waits in ``take_finished`` (True) or ``timeout_s`` ends."""
         with self._lock:
-            return self._outcome.wait_for(lambda: bool(self._finished), timeout_s)
+            self._num_waiting += 1
+            try:
+                return self._outcome.wait_for(lambda: bool(self._finished), timeout_s)
+            finally:
+                self._num_waiting -= 1
 
     def take_failed(self) -> dict[str, set[int]]:
         with self._lock:
@@ -434,7 +439,8 @@ class Reads:
                 first_block = job.first_token // self._ctx.local.topology.block_size
                 self._failed[job.request_id] = set(job.local_block_ids[first_block:])
             self._stats.append(stats)
-            self._outcome.notify_all()
+            if self._num_waiting:
+                self._outcome.notify_all()
         # The outcome is for another thread of this process: let it have the GIL.
         self._worker.stop_spinning()
         if self._on_outcome is not None:
@@ -450,7 +456,8 @@ class Reads:
         with self._lock:
             self._finished.add(job.request_id)
             self._stats.append(stats)
-            self._outcome.notify_all()
+            if self._num_waiting:
+                self._outcome.notify_all()
         if self._on_outcome is not None:
             self._on_outcome()
 
