@@ -1,8 +1,8 @@
 """Tensor-parallel plumbing: the rank's view (``TensorParallel``), group setup, shards.
 
 Each TP worker process calls :func:`init_tp_group` once (gloo on CPU, NCCL on
-GPU, rendezvous over TCP on a free port the parent picked with
-:func:`find_free_port`) and hands the resulting :class:`TensorParallel` to the
+GPU, rendezvous through the TCP store the parent serves, :func:`rendezvous_store`)
+and hands the resulting :class:`TensorParallel` to the
 model, which calls :meth:`TensorParallel.all_reduce` after its row-parallel
 projections. With ``tp_size == 1`` no process group exists and the reduction is
 the identity, so the same model code runs in-process.
@@ -10,12 +10,12 @@ the identity, so the same model code runs in-process.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from kvbridge.errors import ConfigError
 
@@ -83,12 +83,16 @@ def default_backend(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def rendezvous_store(host: str, size: int, timeout_s: float) -> TCPStore:
+    """The TP group's rendezvous, served by the parent: a TCP store listening on a port
+    of ``host`` the OS picks (``.port``), already bound when the ranks start.
+
+    (A port found free and handed to rank 0 to bind could be taken meanwhile, by any
+    connection's ephemeral port: the other ranks then waited for a store that never
+    came, ``timeout_s`` long.) Keep it until the group is gone.
+    """
+    return TCPStore(host, 0, size, is_master=True,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def init_tp_group(
@@ -107,8 +111,8 @@ def init_tp_group(
     Args:
         rank: This process's TP rank.
         size: TP size.
-        host: Rendezvous host (rank 0 listens there).
-        port: Rendezvous TCP port.
+        host: Rendezvous host (the parent's store listens there).
+        port: The store's port (``rendezvous_store``).
         backend: ``gloo`` or ``nccl``.
         timeout_s: Limit on the rendezvous and on every collective.
 
@@ -123,13 +127,10 @@ def init_tp_group(
         raise ConfigError(f"tp rank {rank} out of range for tp size {size}")
     if size == 1:
         return TensorParallel()
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size,
+                            timeout=timeout)
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD)
 
 

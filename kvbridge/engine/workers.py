@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from kvbridge.engine.parallel import TensorParallel, find_free_port
+from kvbridge.engine.parallel import TensorParallel, rendezvous_store
 from kvbridge.engine.rank_worker import RankWorker, no_wakeup, worker_main
 from kvbridge.engine.runner import ModelRunner, StepBatch
 from kvbridge.engine.worker_ipc import (
@@ -178,6 +178,7 @@ class WorkerGroup:
         self._local: _LocalRank | None = None
         self._procs: list[_ProcessRank] = []
         self._ranks: list[_LocalRank | _ProcessRank] = []
+        self._store: Any = None  # the ranks' rendezvous (``rendezvous_store``), while they run
         if config.in_process:
             self._local = _LocalRank(RankWorker(config, TensorParallel(), notify))
             self._ranks = [self._local]
@@ -202,7 +203,8 @@ class WorkerGroup:
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        port = find_free_port(_HOST)
+        self._store = rendezvous_store(_HOST, self.config.tp_size, self.config.step_timeout_s)
+        port = self._store.port
         for rank in range(self.config.tp_size):
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
@@ -311,6 +313,7 @@ class WorkerGroup:
             self._local.worker.close()
         if self._procs:
             self._finalizer()  # runs _reap once
+        self._store = None  # its port closes with it
 
     @property
     def is_closed(self) -> bool:
