@@ -1,10 +1,10 @@
 """Serving a direct read: each chunk sent as one message straight from the cache blocks.
 
 For reads whose blocks both caches store alike (``blocks/ranges.py``): no
-staging, no pack, no credit. The reader posted the first chunk's receive
-before asking and posts the others right after, long before they land, so
-every chunk is posted at once, under one deadline of ``chunk_timeout_s`` per
-chunk. Two ways in, chosen by ``session.py``:
+staging, no pack, no credit. The reader posts every chunk's receive right
+after asking, long before they land (and UCX keeps one that comes first until
+its receive is posted), so every chunk is posted at once, under one deadline of
+``chunk_timeout_s`` per chunk. Two ways in, chosen by ``session.py``:
 
 - ``DirectSends``: the usual case, a grant already issued: the dispatcher
   posts every chunk as it decodes the request, and callbacks unpin the grant
