@@ -162,7 +162,7 @@ class CopyYardstick:
     The same blocks (every layer's K and V run of each, 32 KiB apiece, scattered
     ids) copied out of the server process by bare ``process_vm_readv`` calls
     (at most ``IOV_MAX`` rows each), with no grant, board, check or outcome
-    around them: what a same-host read would cost with no Python at all. Its
+    around them, on one thread: what a same-host read would cost with no Python. Its
     ratio says how much of the kernel's speed a kvbridge read delivers; NIXL's
     UCX (``cma``) makes the same calls. The rows are built before the clock starts.
     """

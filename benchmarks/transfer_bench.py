@@ -28,8 +28,9 @@ Both are on this host, so by default the reader copies the blocks out of the
 server's process itself (``kvbridge.transfer.reading.same_host``); the pseudo-peer
 ``kvbridge_ucx`` runs the same with that off: every byte through UCX, as
 between two hosts; ``kvbridge_copy`` times the kernel's part of a same-host read
-alone (the same blocks by bare ``process_vm_readv`` calls, no grant, board or
-outcome around them), the floor a same-host read cannot go below.
+alone (the same blocks by bare ``process_vm_readv`` calls on one thread, no grant,
+board or outcome around them): the floor of a one-thread read (kvbridge shares
+copies of 8 MiB and more out over threads, and passes it there).
 Block ids are scattered over a pool twice the largest request (at least 32
 blocks: 2 MiB per layer, so caches get huge pages as an engine's do). After the timed
 requests of each size the reader checks every named block against the pattern

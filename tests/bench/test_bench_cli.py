@@ -86,6 +86,15 @@ def test_copy_yardstick_copies_the_named_blocks_only() -> None:
     assert isinstance(failed, str) and "process_vm_readv" in failed
 
 
+@pytest.mark.integration  # a serving agent process and a reading agent here
+def test_read_floor_times_the_read_and_its_parts_and_verifies() -> None:
+    from benchmarks.read_floor import run as read_floor
+
+    (row,) = read_floor([2], num_blocks=1, iters=10, rounds=1)  # raises on wrong bytes
+    assert row["layers"] == 2 and row["nbytes"] == 2 * PIECE_NBYTES
+    assert row["read_us"] > 0 and row["bare_us"] > 0 and row["copy_us"] > 0
+
+
 def test_unknown_peer_is_rejected_before_running() -> None:
     with pytest.raises(ValueError, match="unknown peers"):
         run(quick=True, peers=["no-such-engine"])
