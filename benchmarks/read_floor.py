@@ -33,6 +33,7 @@ from benchmarks.transfer_agents import BLOCK_SIZE, _agent, _num_wrong, _serve_ma
 
 _POOL_BLOCKS = 64
 _HOST = "127.0.0.1"
+_REPLY_S = 120.0  # longest wait for the serving process (it starts torch and UCX)
 
 
 class FloorError(RuntimeError):
@@ -48,7 +49,7 @@ class _Pair:
         self._proc = ctx.Process(target=_serve_main,
                                  args=(child, num_layers, _POOL_BLOCKS, True), daemon=True)
         self._proc.start()
-        self.port = self._conn.recv()
+        self.port = self._reply()
         self.agent, self.caches = _agent("bench-d", num_layers, _POOL_BLOCKS)
         self.agent.start()
         rng = np.random.default_rng([7, num_layers, num_blocks])
@@ -60,7 +61,14 @@ class _Pair:
         self._num_grants += 1
         request_id = f"floor-{self._num_grants}"
         self._conn.send(("grant", request_id, self.remote_ids))
-        return request_id, self._conn.recv()
+        return request_id, self._reply()
+
+    def _reply(self) -> Any:
+        """The serving process's next message, within ``_REPLY_S``."""
+        if not self._conn.poll(_REPLY_S):
+            raise FloorError(f"no reply from the serving process in {_REPLY_S:.0f} s "
+                             f"(exit code {self._proc.exitcode})")
+        return self._conn.recv()
 
     def release(self, request_id: str, token: str) -> None:
         self.agent.notify_done(request_id, engine_id="bench-p", host=_HOST, port=self.port,
@@ -143,9 +151,13 @@ class _Pair:
 
     def close(self) -> None:
         self.agent.close()
-        self._conn.send(("close",))
-        self._conn.recv()
-        self._proc.join(30)
+        try:
+            self._conn.send(("close",))
+            self._reply()
+        finally:
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
 
 
 def run(layers: list[int], num_blocks: int, iters: int, rounds: int) -> list[dict[str, Any]]:
