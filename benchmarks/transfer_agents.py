@@ -64,7 +64,7 @@ def pattern(layer: int, block_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint
 
 
 def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
-           local_copy: bool = True) -> tuple[Any, list[Any]]:
+           local_copy: bool = True, device: str = "cpu") -> tuple[Any, list[Any]]:
     import torch
 
     from kvbridge.paged.host_memory import kv_cache_zeros
@@ -78,7 +78,7 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
                         BLOCK_SIZE, False)
     shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     # as the reference engine allocates its caches (huge pages where the OS has them)
-    caches = [kv_cache_zeros(shape, torch.bfloat16) for _ in range(num_layers)]
+    caches = [kv_cache_zeros(shape, torch.bfloat16, device) for _ in range(num_layers)]
     agent = TransferAgent(engine_id, topo, 0, 0, compat,
                           config=AgentConfig(local_copy=local_copy))
     agent.register_kv_caches(caches)
@@ -86,19 +86,27 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
 
 
 def _words(cache: Any) -> npt.NDArray[np.uint64]:
-    """``[2, num_blocks, words]`` uint64 view of one layer's cache (shares memory)."""
+    """``[2, num_blocks, words]`` uint64 view of one layer's cache (shares memory on
+    the host; a copy of a device cache)."""
     import torch
 
-    array: npt.NDArray[np.uint64] = cache.view(torch.int64).numpy().view(np.uint64)
+    array: npt.NDArray[np.uint64] = cache.view(torch.int64).cpu().numpy().view(np.uint64)
     return array.reshape(2, cache.shape[1], -1)
 
 
+def _fill(cache: Any, layer: int) -> None:
+    """Write the pattern into every block of one layer's cache (host or device)."""
+    import torch
+
+    words = pattern(layer, np.arange(cache.shape[1], dtype=np.int64)).view(np.int64)
+    cache.view(torch.int64).view(2, cache.shape[1], -1).copy_(torch.from_numpy(words))
+
+
 def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
-                local_copy: bool) -> None:
-    agent, caches = _agent("bench-p", num_layers, num_pool_blocks, local_copy)
-    all_ids = np.arange(num_pool_blocks, dtype=np.int64)
+                local_copy: bool, device: str = "cpu") -> None:
+    agent, caches = _agent("bench-p", num_layers, num_pool_blocks, local_copy, device)
     for layer, cache in enumerate(caches):
-        _words(cache)[:] = pattern(layer, all_ids)
+        _fill(cache, layer)
     conn.send(agent.start())
     try:
         while (msg := conn.recv())[0] != "close":
@@ -114,10 +122,10 @@ def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
 
 
 def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: str,
-               port: int, local_copy: bool) -> None:
-    agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy)
+               port: int, local_copy: bool, device: str = "cpu") -> None:
+    agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy, device)
     agent.start()
-    copies = CopyYardstick(caches)
+    copies = CopyYardstick(caches) if device == "cpu" else None
     conn.send("ready")
     try:
         while (msg := conn.recv())[0] != "close":
@@ -126,7 +134,8 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: st
                     conn.send(_timed_read(agent, host, port, request_id, remote_ids,
                                           local_ids, token))
                 case ("copy", remote_ids, local_ids, pid, bases):
-                    conn.send(copies.timed(remote_ids, local_ids, pid, bases))
+                    conn.send("the copy yardstick reads host caches only" if copies is None
+                              else copies.timed(remote_ids, local_ids, pid, bases))
                 case ("zero",):
                     for cache in caches:
                         cache.zero_()
@@ -236,6 +245,8 @@ class AgentPair:
             Off for both agents wherever ``placement`` puts them on two hosts.
         name: the name of the results.
         placement: Where the server and the reader run, and their extra environment.
+        device: where both agents' caches live: ``cpu``, or ``cuda`` (reads then go
+            through UCX's CUDA transports; no same-host copies, no copy yardstick).
 
     Raises:
         AgentPairError: a child did not start within ``timeout_s``.
@@ -243,7 +254,7 @@ class AgentPair:
 
     def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float,
                  local_copy: bool = True, name: str = "kvbridge",
-                 placement: Placement = LOOPBACK) -> None:
+                 placement: Placement = LOOPBACK, device: str = "cpu") -> None:
         self.num_layers, self.num_pool_blocks, self.timeout_s = (
             num_layers, num_pool_blocks, timeout_s)
         self.name = name
@@ -256,10 +267,11 @@ class AgentPair:
         same_host = placement.same_host
         try:
             self._server = self._spawn(placement.serve, "serve", num_layers, num_pool_blocks,
-                                       same_host)
+                                       same_host, device)
             port = self._recv(self._server)
             self._reader = self._spawn(placement.read, "read", num_layers, num_pool_blocks,
-                                       placement.serve.ip, port, local_copy and same_host)
+                                       placement.serve.ip, port, local_copy and same_host,
+                                       device)
             self._recv(self._reader)
         except BaseException:
             self.close()

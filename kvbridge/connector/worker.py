@@ -261,6 +261,7 @@ class ConnectorWorker:
             try:
                 if self._host is not None:
                     copy_blocks(self._device, self._host, send.block_ids)
+                    _wait_for_device(self._device[0])  # readers read the mirror at once
                 agent.issue_grant(send.request_id, send.block_ids, None, lease_s=send.lease_s,
                                   token=send.grant, prompt_digest=send.kv_digest)
             except KVBridgeError as exc:
@@ -322,3 +323,13 @@ class ConnectorWorker:
         if self._agent is None:
             raise ConfigError("register_kv_caches must be called first")
         return self._agent
+
+
+def _wait_for_device(cache: torch.Tensor) -> None:
+    """Block until the work queued on ``cache``'s CUDA stream is done (no-op on the CPU).
+
+    ``copy_blocks`` from a CUDA cache returns once its kernel is queued; a host
+    mirror may be served only after the copy has landed.
+    """
+    if cache.is_cuda:
+        torch.cuda.current_stream(cache.device).synchronize()

@@ -205,7 +205,8 @@ def copy_blocks(src: CacheSet, dst: CacheSet, src_ids: torch.Tensor, dst_ids: to
         s, d = src_layers[0], dst_layers[0]
         grid = (src_ids.numel(), len(src_layers) * src.num_kv, tiles[0])
         _copy_kernel[grid](
-            s, d, _layer_offsets(src_layers), _layer_offsets(dst_layers), src_ids, dst_ids,
+            s, d, _layer_offsets(src_layers, src_ids.device),
+            _layer_offsets(dst_layers, src_ids.device), src_ids, dst_ids,
             s.stride(0), s.stride(1), s.stride(2), s.stride(3),
             d.stride(0), d.stride(1), d.stride(2), d.stride(3), size_a, size_b,
             NUM_KV=src.num_kv, ROW_WORDS=row_words, BLOCK_ROWS=tiles[1], BLOCK_WORDS=tiles[2],
@@ -236,9 +237,15 @@ def _layer_groups(layers: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.
     return groups
 
 
-def _layer_offsets(layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Word offset of each layer's first element from layer 0's, on the layers' device."""
+def _layer_offsets(
+    layers: Sequence[torch.Tensor], device: torch.device | None = None
+) -> torch.Tensor:
+    """Word offset of each layer's first element from layer 0's.
+
+    On ``device`` (default: the layers'): the device the kernel runs on, which for
+    a copy to or from a pinned host mirror is not the mirror's.
+    """
     base = layers[0].data_ptr()
     word = layers[0].element_size()
     offsets = [(t.data_ptr() - base) // word for t in layers]
-    return torch.tensor(offsets, dtype=torch.int64, device=layers[0].device)
+    return torch.tensor(offsets, dtype=torch.int64, device=device or layers[0].device)

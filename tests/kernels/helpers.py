@@ -1,7 +1,13 @@
-"""Cache builders for the kernel tests: random bytes in every dtype, any layout."""
+"""Cache builders for the kernel tests: random bytes in every dtype, any layout.
+
+``DEVICE`` is where the tests put their caches: the CPU (Triton under
+``TRITON_INTERPRET=1``), or ``KVBRIDGE_TEST_DEVICE=cuda`` on a GPU machine, where
+the same parametrisations run the compiled kernels (``scripts/gpu_check.sh``).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +18,7 @@ from kvbridge.topology import KVLayout
 from tests.kernels.reference import as_layers, raw
 
 IMPLS: tuple[Impl, ...] = ("torch", "triton")
+DEVICE = torch.device(os.environ.get("KVBRIDGE_TEST_DEVICE", "cpu"))
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ def random_caches(spec: CacheSpec, seed: int) -> list[torch.Tensor] | torch.Tens
     elem = torch.empty((), dtype=spec.dtype).element_size()
     shape = (spec.num_layers, *spec.layer_shape())
     data = torch.randint(0, 256, (*shape[:-1], shape[-1] * elem), dtype=torch.uint8, generator=gen)
-    stacked = data.view(spec.dtype)
+    stacked = data.view(spec.dtype).to(DEVICE)
     return stacked if spec.stacked else [t.clone() for t in stacked.unbind(0)]
 
 

@@ -8,7 +8,7 @@ import torch
 from kvbridge.kernels import Impl, copy_blocks
 from kvbridge.topology import KVLayout
 from tests.kernels import reference
-from tests.kernels.helpers import IMPLS, CacheSpec, clone, random_caches, same_bytes
+from tests.kernels.helpers import DEVICE, IMPLS, CacheSpec, clone, random_caches, same_bytes
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -55,10 +55,33 @@ def test_many_scattered_blocks_take_the_gather_path() -> None:
 def test_copy_between_differently_strided_caches(impl: Impl) -> None:
     """The host mirror may be contiguous while the device cache is a strided view."""
     spec = CacheSpec(KVLayout.NHD, 4, num_heads=2, num_blocks=8)
-    wide = torch.randint(0, 100, (2, 2, 16, 4, 2, 16)).to(torch.float16)
+    wide = torch.randint(0, 100, (2, 2, 16, 4, 2, 16)).to(DEVICE, torch.float16)
     src = list(wide[:, :, ::2].unbind(0))  # every other block of a larger cache
     dst = random_caches(spec, 9)
     expected = clone(dst)
     copy_blocks(src, dst, [6, 1], [0, 7], impl=impl)
     reference.copy_blocks(src, expected, [6, 1], [0, 7])
     assert same_bytes(dst, expected)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host staging of CUDA caches: GPU runs only")
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cuda_cache_through_a_pinned_host_mirror(stacked: bool) -> None:
+    """The connector's host-buffer path: device -> pinned mirror -> another device cache."""
+    spec = CacheSpec(KVLayout.HND, 16, num_heads=4, head_dim=64, num_blocks=32, num_layers=3,
+                     dtype=torch.bfloat16, stacked=stacked)
+    device_cache = random_caches(spec, 21)
+    layers = [device_cache] if stacked else device_cache
+    mirror = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for t in layers]
+    mirror_caches = mirror[0] if stacked else mirror
+    copy_blocks(device_cache, mirror_caches, [9, 2, 30])  # "auto": Triton over UVA
+    expected = clone(device_cache)
+    for got, want in zip(reference.as_layers(mirror_caches),
+                         reference.as_layers(expected), strict=True):
+        assert torch.equal(reference.raw(got)[:, [9, 2, 30]],
+                           reference.raw(want)[:, [9, 2, 30]].cpu())
+    back = random_caches(spec, 22)
+    before = clone(back)
+    copy_blocks(mirror_caches, back, [9, 2, 30], [0, 31, 5])
+    reference.copy_blocks(device_cache, before, [9, 2, 30], [0, 31, 5])
+    assert same_bytes(back, before)

@@ -16,7 +16,7 @@ import torch
 from kvbridge.kernels import Impl, KernelInputError, WireFormat, copy_blocks, pack, unpack
 from kvbridge.kernels import wire_format as wire_format_of
 from kvbridge.topology import KVLayout
-from tests.kernels.helpers import IMPLS
+from tests.kernels.helpers import DEVICE, IMPLS
 from tests.kernels.reference import raw
 
 
@@ -56,12 +56,13 @@ def random_fused(spec: Fused, seed: int) -> tuple[list[torch.Tensor], torch.Tens
     k, v = (torch.randint(0, 256, (*shape[:-1], shape[-1] * elem), dtype=torch.uint8,
                           generator=gen).view(spec.dtype) for _ in range(2))
     store = torch.stack([fuse(k[layer], v[layer]) for layer in range(spec.num_layers)])
+    store, k, v = store.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     return [layer[None] for layer in store.unbind(0)], k, v
 
 
 def zero_fused(spec: Fused) -> list[torch.Tensor]:
     store = torch.zeros(spec.num_layers, 1, spec.num_blocks, spec.num_heads, spec.block_size,
-                        2 * spec.head_size, dtype=spec.dtype)
+                        2 * spec.head_size, dtype=spec.dtype, device=DEVICE)
     return list(store.unbind(0))
 
 
@@ -184,7 +185,7 @@ def test_fused_and_plain_buffers_never_mix(impl: Impl) -> None:
     spec = Fused(num_heads=2)
     src, _, _ = random_fused(spec, seed=7)
     buf = pack(src, [1], 0, 2, KVLayout.HND, impl=impl)
-    plain = [torch.zeros(2, 4, 2, 8, 4, dtype=torch.bfloat16) for _ in range(2)]
+    plain = [torch.zeros(2, 4, 2, 8, 4, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     with pytest.raises(KernelInputError, match="fused_kv remote True local False"):
         unpack(buf, wire_format_of(src, KVLayout.HND, 0, 2), 1, plain, [0], KVLayout.HND,
                impl=impl)

@@ -9,7 +9,7 @@ from kvbridge.kernels import Impl, pack, torch_cpu, unpack, wire_format
 from kvbridge.topology import KVLayout
 from tests.kernels import reference
 from tests.kernels.checks import check_transfer
-from tests.kernels.helpers import IMPLS, CacheSpec, clone, random_caches, same_bytes
+from tests.kernels.helpers import DEVICE, IMPLS, CacheSpec, clone, random_caches, same_bytes
 
 NHD, HND = KVLayout.NHD, KVLayout.HND
 BLOCK_SIZES = [(4, 4), (4, 8), (4, 16), (8, 4), (16, 4)]  # (remote, local): ratios 1, 2, 4
@@ -105,7 +105,8 @@ def test_token_offset(impl: Impl, remote_bs: int, local_bs: int, token_offset: i
 def test_physically_blocks_first_stacked_cache(impl: Impl) -> None:
     """A stacked cache stored blocks-first ([nb, L, 2, ...] permuted): strided layers work."""
     num_layers, num_blocks, block_size, heads, dim = 2, 6, 4, 2, 8
-    storage = torch.randint(-100, 100, (num_blocks, num_layers, 2, block_size, heads, dim))
+    storage = torch.randint(-100, 100, (num_blocks, num_layers, 2, block_size, heads, dim),
+                            device=DEVICE)
     caches = storage.to(torch.float16).permute(1, 2, 0, 3, 4, 5)  # [L, 2, nb, bs, H, D]
     buf = pack(caches, [4, 1], 0, heads, NHD, impl=impl)
     assert torch.equal(buf, reference.pack(caches, [4, 1], 0, heads, NHD))
@@ -121,7 +122,7 @@ def test_physically_blocks_first_stacked_cache(impl: Impl) -> None:
 def test_out_buffer_is_reused(impl: Impl) -> None:
     spec = CacheSpec(NHD, 4, num_heads=2)
     caches = random_caches(spec, 3)
-    staging = torch.full((10_000,), 7, dtype=torch.uint8)
+    staging = torch.full((10_000,), 7, dtype=torch.uint8, device=DEVICE)
     buf = pack(caches, [3, 0], 0, 2, NHD, out=staging, impl=impl)
     assert buf.data_ptr() == staging.data_ptr()
     assert torch.equal(buf, reference.pack(caches, [3, 0], 0, 2, NHD))
