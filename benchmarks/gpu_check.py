@@ -41,9 +41,12 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("kernels", "kernel-bench", "engine-pd", "direct-read")
+STEPS = ("kernels", "kernel-bench", "engine-pd", "direct-read", "ucx-yardstick", "kernel-tune")
+#: what runs without --steps (the last two are measurements to choose designs by)
+DEFAULT_STEPS = STEPS[:4]
 #: each step's deadline on the GPU (seconds); the whole run stays under 8 minutes
-STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 100, "direct-read": 80}
+STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 100, "direct-read": 80,
+                  "ucx-yardstick": 90, "kernel-tune": 160}
 TOTAL_BUDGET_S = 450
 #: the kernel test modules that run on CUDA tensors (tests/kernels/helpers.DEVICE)
 KERNEL_TESTS = ("test_pack_unpack.py", "test_copy_blocks.py", "test_roundtrip.py",
@@ -87,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="folder for gpu_check.json and gpu_check.log (default $OUT)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the steps on the CPU path (Triton interpreted)")
-    parser.add_argument("--steps", default=",".join(STEPS),
+    parser.add_argument("--steps", default=",".join(DEFAULT_STEPS),
                         help=f"comma-separated subset of {','.join(STEPS)}")
     parser.add_argument("--kernel-tests", default=None,
                         help="pytest -k expression for the kernel tests (default: all "
@@ -386,6 +389,63 @@ def step_direct_read(opts: Options) -> StepResult:
                       numbers={"num_layers": num_layers, "rows": rows}, detail=detail)
 
 
+def step_ucx_yardstick(opts: Options) -> StepResult:
+    """``ucx_perftest`` between two processes: what UCX itself moves, host and device.
+
+    Contiguous messages and scatter-gather lists of 32 KiB pieces (one block of one
+    layer's K or V, as kvbridge's direct reads send them), two-sided and one-sided.
+    """
+    from benchmarks.peers.ucx_perftest import PerftestError, run_perftest
+
+    memories = ["host", opts.device] if opts.device != "cpu" else ["host"]
+    cases = [("tag_bw", 1 << 22, 1), ("tag_bw", 1 << 26, 1), ("tag_bw", 1 << 22, 128),
+             ("ucp_get", 1 << 22, 1), ("ucp_get", 1 << 26, 1)]
+    rows: list[dict[str, Any]] = []
+    for memory in memories:
+        for test, nbytes, pieces in cases:
+            row: dict[str, Any] = {"memory": memory, "test": test, "nbytes": nbytes,
+                                   "pieces": pieces}
+            try:
+                run = run_perftest(nbytes, max(20, (1 << 28) // nbytes), 5, 60.0, test,
+                                   memory=memory, num_pieces=pieces)
+                row["gbps"] = run.gbps_overall
+            except PerftestError as exc:
+                row["error"] = str(exc)[-300:]
+            rows.append(row)
+            print(json.dumps(row))
+    ok = any("gbps" in r for r in rows)
+    return StepResult("ucx-yardstick", ok, numbers={"rows": rows}, detail=", ".join(
+        f"{r['memory']} {r['test']} {r['nbytes'] >> 20} MiB/{r['pieces']}: "
+        + (f"{r['gbps']:.1f} GB/s" if "gbps" in r else "failed") for r in rows))
+
+
+def step_kernel_tune(opts: Options) -> StepResult:
+    """kernel-bench's cases with other tile sizes and warps per program."""
+    from benchmarks import kernel_bench
+    from kvbridge.kernels import triton_kernels
+
+    _require_device(opts)
+    blocks = list(opts.bench_blocks)
+    rows: list[dict[str, Any]] = []
+    for tile_words in (4096, 8192, 16384):
+        for warps in (4, 8, 16):
+            triton_kernels._TILE_WORDS, triton_kernels._NUM_WARPS = tile_words, warps
+            report = kernel_bench.run(opts.bench_quick, blocks, reps=3)
+            results = report["results"]
+            assert isinstance(results, list)
+            for r in results:
+                rows.append({"tile_words": tile_words, "num_warps": warps, "case": r["case"],
+                             "num_blocks": r["num_blocks"],
+                             "ours_gbps": r["ours_gbps"], "vs_memcpy": r["vs_memcpy"]})
+            print(json.dumps(rows[-len(results):]))
+    best = max(rows, key=lambda r: sum(x["vs_memcpy"] for x in rows
+                                       if (x["tile_words"], x["num_warps"])
+                                       == (r["tile_words"], r["num_warps"])))
+    return StepResult("kernel-tune", True, numbers={"rows": rows},
+                      detail=f"best on average: tile {best['tile_words']} words, "
+                             f"{best['num_warps']} warps")
+
+
 def _p50_s(result: Any) -> float:
     """A read's median duration in seconds (``PeerResult``)."""
     return float(result.latency_p50_us) / 1e6
@@ -418,6 +478,7 @@ def _require_device(opts: Options) -> None:
 STEP_FUNCTIONS: dict[str, Callable[[Options], StepResult]] = {
     "kernels": step_kernels, "kernel-bench": step_kernel_bench,
     "engine-pd": step_engine_pd, "direct-read": step_direct_read,
+    "ucx-yardstick": step_ucx_yardstick, "kernel-tune": step_kernel_tune,
 }
 
 

@@ -133,12 +133,16 @@ def _parse_final_csv(stdout: str, nbytes: int) -> PerftestRun:
 
 
 def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 120.0,
-                 test: str = "tag_bw", placement: Placement = LOOPBACK) -> PerftestRun:
+                 test: str = "tag_bw", placement: Placement = LOOPBACK, *,
+                 memory: str = "host", num_pieces: int = 1) -> PerftestRun:
     """One run of ``iters`` messages of ``nbytes`` between two processes.
 
     Args:
         test: ``tag_bw`` (two-sided) or ``ucp_get`` (one-sided read).
         placement: Server on its serving side, client on its reading side.
+        memory: ``host``, or ``cuda`` (both sides' buffers in GPU memory).
+        num_pieces: > 1: each message is a scatter-gather list of that many equal
+            pieces on both sides (``-D iov,iov``); ``nbytes`` must divide evenly.
 
     Raises:
         ValueError: ``nbytes`` or ``iters`` < 1, ``warmup`` < 0, unknown ``test``.
@@ -150,6 +154,12 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
                          f"{warmup}")
     if test not in _PEER_OF_TEST:
         raise ValueError(f"test must be one of {sorted(_PEER_OF_TEST)}, got {test!r}")
+    if memory not in ("host", "cuda") or num_pieces < 1 or nbytes % num_pieces:
+        raise ValueError(f"memory must be host or cuda and num_pieces divide nbytes, got "
+                         f"{memory!r}, {num_pieces} pieces of {nbytes} bytes")
+    sizes = ",".join([str(nbytes // num_pieces)] * num_pieces)
+    layout = ["-D", "iov,iov"] if num_pieces > 1 else []
+    mem = ["-m", f"{memory},{memory}"] if memory != "host" else []
     binary = find_perftest()
     env = _perftest_env(binary, placement)
     port = _free_port()  # on this host; a fresh namespace host has every port free
@@ -167,8 +177,8 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
                 time.sleep(0.02)
             client = subprocess.run(
                 placement.read.command([str(binary), placement.serve.ip, "-p", str(port),
-                                        "-t", test, "-s", str(nbytes), "-n", str(iters),
-                                        "-w", str(warmup), "-f", "-v"]),
+                                        "-t", test, "-s", sizes, "-n", str(iters),
+                                        "-w", str(warmup), "-f", "-v", *layout, *mem]),
                 env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
             )
             if client.returncode != 0:

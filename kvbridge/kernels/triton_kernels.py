@@ -29,6 +29,8 @@ __all__ = ["copy_blocks", "pack", "unpack"]
 # Words moved by one program at most: large enough to amortise index math,
 # small enough to stay in registers.
 _TILE_WORDS = 4096
+#: Warps per program (``benchmarks/gpu_check.py --steps kernel-tune`` measures others).
+_NUM_WARPS = 4
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -155,6 +157,7 @@ def pack(
             head_start, caches.block_size, num_heads,
             NUM_KV=caches.num_kv, HEADS_MAJOR=caches.layout == KVLayout.HND,
             ROW_WORDS=caches.row_words, BLOCK_ROWS=tiles[1], BLOCK_WORDS=tiles[2],
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
@@ -188,6 +191,7 @@ def unpack(
             NUM_KV=caches.num_kv,
             WIRE_HEADS_MAJOR=wire.layout == KVLayout.HND and not wire.is_mla,
             ROW_WORDS=caches.row_words, BLOCK_ROWS=tiles[1], BLOCK_WORDS=tiles[2],
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
@@ -210,6 +214,7 @@ def copy_blocks(src: CacheSet, dst: CacheSet, src_ids: torch.Tensor, dst_ids: to
             s.stride(0), s.stride(1), s.stride(2), s.stride(3),
             d.stride(0), d.stride(1), d.stride(2), d.stride(3), size_a, size_b,
             NUM_KV=src.num_kv, ROW_WORDS=row_words, BLOCK_ROWS=tiles[1], BLOCK_WORDS=tiles[2],
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
