@@ -6,16 +6,21 @@ on the CPU path (Triton under ``TRITON_INTERPRET=1``), which CI tests. Steps, ea
 in its own process with its own deadline, reported pass/fail with its numbers::
 
     kernels       the kernel tests (tests/kernels) on CUDA tensors: compiled Triton,
-                  every parametrisation of the interpreter runs, exact (torch.equal)
+                  every parametrisation of the interpreter runs, exact (torch.equal);
+                  and UCX sending GPU tensors (tests/transfer)
     kernel-bench  pack/unpack GB/s beside a device-to-device copy_ of the same bytes
                   and the three-pass torch relayout (benchmarks/kernel_bench.py)
     engine-pd     the reference engine, P and D each with its own worker process and
-                  CUDA caches, host-buffer staging: P/D answers equal P's colocated ones
-                  (same layout: a direct read of the mirrors; other block size and
-                  layout: a staged read, unpacked on the host)
-    direct-read   two agent processes with CUDA caches, no host buffer: UCX moves the
-                  blocks device to device (cuda_ipc / cuda_copy), bytes verified, GB/s
-                  beside the host-staged path (device->host copy, host read, host->device)
+                  CUDA caches: P/D answers equal P's colocated ones, D with P's block
+                  size and layout and with others, staged through pinned host mirrors
+                  (``host_buffer``) and through device buffers (the caches themselves:
+                  Triton pack, one UCX message per chunk, Triton unpack)
+    direct-read   two agent processes with CUDA caches, no host buffer: the blocks
+                  move GPU to GPU (device staging buffers over UCX's cuda_ipc), bytes
+                  verified, GB/s beside the host-staged path (device->host copy, host
+                  read, host->device)
+    ucx-yardstick ucx_perftest between two processes, host and CUDA memory (on demand)
+    kernel-tune   kernel-bench with other tile sizes and warps (on demand)
 
 Everything lands in ``--out``: ``gpu_check.json`` (every step's result) and
 ``gpu_check.log`` (every step's output). Exit status 0 only if every step passed.
@@ -45,12 +50,14 @@ STEPS = ("kernels", "kernel-bench", "engine-pd", "direct-read", "ucx-yardstick",
 #: what runs without --steps (the last two are measurements to choose designs by)
 DEFAULT_STEPS = STEPS[:4]
 #: each step's deadline on the GPU (seconds); the whole run stays under 8 minutes
-STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 100, "direct-read": 80,
+STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 150, "direct-read": 80,
                   "ucx-yardstick": 90, "kernel-tune": 160}
 TOTAL_BUDGET_S = 450
 #: the kernel test modules that run on CUDA tensors (tests/kernels/helpers.DEVICE)
 KERNEL_TESTS = ("test_pack_unpack.py", "test_copy_blocks.py", "test_roundtrip.py",
                 "test_src_offset.py", "test_fused_kv.py", "test_properties.py")
+#: UCX sends and receives tensors, a GPU's too (device staging buffers)
+TENSOR_TRANSPORT_TEST = "tests/transfer/test_transport_inproc.py::test_data_in_tensors"
 #: on a GPU the torch-path parametrisations are the CPU's; only Triton's run
 GPU_KERNEL_SELECTION = "not torch"
 
@@ -232,6 +239,7 @@ def step_kernels(opts: Options) -> StepResult:
     """The kernel tests on ``opts.device`` tensors, in a pytest child process."""
     env = {**os.environ, "KVBRIDGE_TEST_DEVICE": opts.device}
     files = [str(Path("tests/kernels") / name) for name in KERNEL_TESTS]
+    files.append(TENSOR_TRANSPORT_TEST)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
            opts.kernel_selection, *files]
     lines: list[str] = []
@@ -303,32 +311,38 @@ def step_engine_pd(opts: Options) -> StepResult:
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     numbers: dict[str, Any] = {}
     problems: list[str] = []
-    engines = {"p": engine("p", 16, KVLayout.HND, True)}
-    try:
-        engines["d-same"] = engine("d-same", 16, KVLayout.HND, True)
-        engines["d-relayout"] = engine("d-relayout", 32, KVLayout.NHD, True)
-        expected = [run_colocated(engines["p"], f"colo-{i}", prompt, greedy)[0]
-                    for i, prompt in enumerate(prompts)]
-        for name in ("d-same", "d-relayout"):
-            rows = []
-            for i, prompt in enumerate(prompts):
-                tokens, row = run_pd(engines["p"], engines[name], f"{name}-{i}", prompt, greedy)
-                row["equal"] = tokens == expected[i]
-                rows.append(row)
-                if tokens != expected[i]:
-                    problems.append(f"{name} prompt {i}: {tokens} != colocated {expected[i]}")
-            stats = engines[name].get_stats().connector
-            moved = 0 if stats is None else stats.nbytes
-            numbers[name] = {"rows": rows, "nbytes": moved,
-                             "num_transfers": 0 if stats is None else stats.num_transfers}
-            if not moved:
-                problems.append(f"{name}: no bytes came through the connector")
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    for staging in ("mirror", "device"):  # host-buffer staging, or the caches themselves
+        host_buffer = staging == "mirror"
+        p_name = f"p-{staging}"
+        engines = {p_name: engine(p_name, 16, KVLayout.HND, host_buffer)}
+        try:
+            for name, block_size, layout in ((f"d-{staging}-same", 16, KVLayout.HND),
+                                             (f"d-{staging}-relayout", 32, KVLayout.NHD)):
+                engines[name] = engine(name, block_size, layout, host_buffer)
+            expected = [run_colocated(engines[p_name], f"colo-{i}", prompt, greedy)[0]
+                        for i, prompt in enumerate(prompts)]
+            for name in list(engines)[1:]:
+                rows = []
+                for i, prompt in enumerate(prompts):
+                    tokens, row = run_pd(engines[p_name], engines[name], f"{name}-{i}", prompt,
+                                         greedy)
+                    row["equal"] = tokens == expected[i]
+                    rows.append(row)
+                    if tokens != expected[i]:
+                        problems.append(f"{name} prompt {i}: {tokens} != colocated "
+                                        f"{expected[i]}")
+                stats = engines[name].get_stats().connector
+                moved = 0 if stats is None else stats.nbytes
+                numbers[name] = {"rows": rows, "nbytes": moved,
+                                 "num_transfers": 0 if stats is None else stats.num_transfers}
+                if not moved:
+                    problems.append(f"{name}: no bytes came through the connector")
+        finally:
+            for e in engines.values():
+                e.shutdown()
+    moved = ", ".join(f"{name} {n['nbytes']} B" for name, n in numbers.items())
     detail = "; ".join(problems) or (
-        f"{2 * len(prompts)} P/D answers equal colocated on {opts.device} (host-buffer staging; "
-        f"{numbers['d-same']['nbytes']} + {numbers['d-relayout']['nbytes']} bytes moved)")
+        f"{len(numbers) * len(prompts)} P/D answers equal colocated on {opts.device} ({moved})")
     return StepResult("engine-pd", not problems, numbers=numbers, detail=detail)
 
 

@@ -31,7 +31,7 @@ import torch
 from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.kernels import copy_blocks
+from kvbridge.kernels import copy_blocks, on_device
 from kvbridge.topology import EngineTopology, KVLayout, describe_cache
 from kvbridge.transfer.agent import AgentConfig, TransferAgent
 from kvbridge.transfer.protocol.security import CompatInfo
@@ -259,9 +259,9 @@ class ConnectorWorker:
         meta, self._meta = self._meta, None
         for send in meta.reqs_to_send if meta is not None else ():
             try:
-                if self._host is not None:
-                    copy_blocks(self._device, self._host, send.block_ids)
-                    _wait_for_device(self._device[0])  # readers read the mirror at once
+                if self._host is not None:  # readers read the mirror at once: wait for it
+                    with on_device(self._device[0]):
+                        copy_blocks(self._device, self._host, send.block_ids)
                 agent.issue_grant(send.request_id, send.block_ids, None, lease_s=send.lease_s,
                                   token=send.grant, prompt_digest=send.kv_digest)
             except KVBridgeError as exc:
@@ -324,12 +324,3 @@ class ConnectorWorker:
             raise ConfigError("register_kv_caches must be called first")
         return self._agent
 
-
-def _wait_for_device(cache: torch.Tensor) -> None:
-    """Block until the work queued on ``cache``'s CUDA stream is done (no-op on the CPU).
-
-    ``copy_blocks`` from a CUDA cache returns once its kernel is queued; a host
-    mirror may be served only after the copy has landed.
-    """
-    if cache.is_cuda:
-        torch.cuda.current_stream(cache.device).synchronize()

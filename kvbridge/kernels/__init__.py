@@ -45,7 +45,7 @@ in :mod:`kvbridge.kernels.wire`.
 
 from __future__ import annotations
 
-from kvbridge.kernels.launch import Impl, copy_blocks, pack, unpack, wire_format
+from kvbridge.kernels.launch import Impl, copy_blocks, on_device, pack, unpack, wire_format
 from kvbridge.kernels.wire import KernelInputError, WireFormat
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "KernelInputError",
     "WireFormat",
     "copy_blocks",
+    "on_device",
     "pack",
     "unpack",
     "wire_format",

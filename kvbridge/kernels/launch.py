@@ -9,6 +9,9 @@ Called by the transfer agent. Every check happens before the first write, so a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from kvbridge.kernels import checks, torch_cpu
@@ -23,7 +26,7 @@ from kvbridge.kernels.checks import BlockIds, Impl
 from kvbridge.kernels.wire import KernelInputError, WireFormat
 from kvbridge.topology import KVLayout
 
-__all__ = ["Impl", "copy_blocks", "pack", "unpack", "wire_format"]
+__all__ = ["Impl", "copy_blocks", "on_device", "pack", "unpack", "wire_format"]
 
 
 def wire_format(
@@ -249,6 +252,24 @@ def copy_blocks(
         triton_kernels.copy_blocks(src, dst, src_ids.to(device), dst_ids.to(device))
     else:
         torch_cpu.copy_blocks(src, dst, src_ids, dst_ids)
+
+
+@contextlib.contextmanager
+def on_device(tensor: torch.Tensor) -> Iterator[None]:
+    """Launch on ``tensor``'s CUDA device inside, and wait for that work on leaving.
+
+    The kernels return once their work is queued; memory another party reads next
+    (UCX sending a staging buffer, a reader of a host mirror) or reuses (a staging
+    buffer given back to its pool) must wait for it. Any thread may use it (the
+    device is set for the block). A no-op for CPU tensors, whose copies are done
+    when they return.
+    """
+    if not tensor.is_cuda:
+        yield
+        return
+    with torch.cuda.device(tensor.device):
+        yield
+        torch.cuda.current_stream().synchronize()
 
 
 def _wire_of(caches: CacheSet, num_heads: int) -> WireFormat:

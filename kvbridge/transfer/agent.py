@@ -242,7 +242,8 @@ class TransferAgent:
         worker = UcxWorker()
         executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-copy")
         server_ctx = ServerContext(
-            self._me, self._local, self.grants, cfg, BufferPool(cfg.num_serve_buffers),
+            self._me, self._local, self.grants, cfg,
+            BufferPool(cfg.num_serve_buffers, self._local.layers[0].device),
             executor, self._clock,
         )
         copier = None
@@ -254,7 +255,8 @@ class TransferAgent:
             server_ctx.host = server_ctx.probe.host_info(board)
             copier = Copier(cfg.copy_threads)
         reader_ctx = ReaderContext(
-            self._me, self._local, cfg, BufferPool(cfg.num_read_slots * cfg.window_chunks),
+            self._me, self._local, cfg,
+            BufferPool(cfg.num_read_slots * cfg.window_chunks, self._local.layers[0].device),
             executor, copier=copier,
         )
         reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}",

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
+import torch
 import ucxx.exceptions as ucx_exc
 
 from kvbridge.transfer.errors import (
@@ -75,6 +76,32 @@ def test_frames_and_data_go_both_ways() -> None:
             await far.wait(arrived, timeout_s=5.0, what="chunk")
             assert np.array_equal(into, data)
             assert conn.outgoing_tag(7) == far.incoming_tag(7)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_data_in_tensors(device: str) -> None:
+    """Staging buffers of CUDA caches are uint8 tensors on the GPU (``blocks/staging.py``):
+    UCX takes a tensor's memory as it is, whatever the two ends' memory types."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU here (scripts/gpu_check.sh runs the GPU path)")
+
+    async def run() -> None:
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            data = torch.randint(0, 256, (300_000,), dtype=torch.uint8).to(device)
+            into = torch.zeros(400_000, dtype=torch.uint8, device=device)
+            arrived = far.post_recv(into[: data.numel()], 5)
+            await conn.send(data, 5, timeout_s=5.0)
+            await far.wait(arrived, timeout_s=5.0, what="chunk")
+            assert torch.equal(into[: data.numel()], data)
+            assert not into[data.numel() :].any()
+            host = np.zeros(300_000, dtype=np.uint8)  # a tensor to a numpy array
+            arrived = far.post_recv(host, 6)
+            await conn.send(data, 6, timeout_s=5.0)
+            await far.wait(arrived, timeout_s=5.0, what="chunk")
+            assert np.array_equal(host, data.cpu().numpy())
 
     asyncio.run(run())
 

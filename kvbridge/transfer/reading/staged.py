@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbridge.kernels import WireFormat, unpack
+from kvbridge.kernels import WireFormat, on_device, unpack
 from kvbridge.topology import KVLayout, RemoteRead
-from kvbridge.transfer.blocks.staging import Buffer
+from kvbridge.transfer.blocks.staging import Buffer, as_tensor
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext, ReadSetup
@@ -115,7 +115,7 @@ class _ChunkReceiver:
             src_offset, chunk_tokens, token_offset = tokens.in_chunk(
                 chunk * block_tokens, blocks * self.wire_fmt.block_size
             )
-            staged = torch.from_numpy(buf[: self.wire_fmt.nbytes(blocks)])
+            staged = as_tensor(buf[: self.wire_fmt.nbytes(blocks)])
             await loop.run_in_executor(
                 self.ctx.executor, _unpack, staged, self.wire_fmt, blocks, layers, local_ids,
                 local.topology.layout, item.local_head_offset, chunk_tokens, token_offset,
@@ -143,8 +143,9 @@ def _unpack(
 ) -> None:
     if num_tokens == 0:
         return
-    unpack(
-        staged, wire_fmt, num_blocks, layers, local_ids, layout,
-        head_offset=head_offset, num_tokens=num_tokens, token_offset=token_offset,
-        src_token_offset=src_token_offset,
-    )
+    with on_device(staged):  # unpacked before the buffer takes the next chunk
+        unpack(
+            staged, wire_fmt, num_blocks, layers, local_ids, layout,
+            head_offset=head_offset, num_tokens=num_tokens, token_offset=token_offset,
+            src_token_offset=src_token_offset,
+        )

@@ -212,8 +212,8 @@ def _direct_span(
         and meta.head_dim == local.head_dim and tokens.skip == 0
         and tokens.local_offset == 0
     )
-    if not alike or not ctx.config.direct_reads:
-        return None
+    if not alike or not ctx.config.direct_reads or local.layers[0].is_cuda:
+        return None  # GPU memory: one packed buffer per chunk, not 32 KiB pieces (staging.py)
     heads = item.remote_heads
     remote_run = meta.is_mla or topo.layout is KVLayout.HND or len(heads) == meta.num_heads
     local_span = head_span(local, item.local_head_offset, item.local_head_offset + len(heads))

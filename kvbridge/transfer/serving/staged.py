@@ -17,8 +17,8 @@ import asyncio
 
 import torch
 
-from kvbridge.kernels import pack
-from kvbridge.transfer.blocks.staging import Buffer
+from kvbridge.kernels import on_device, pack
+from kvbridge.transfer.blocks.staging import Buffer, as_tensor
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import send_msg
@@ -57,7 +57,7 @@ async def send_chunks(
             ids = req.block_ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
             nbytes = len(ids) * nbytes_per_block
             [buf] = await ctx.pool.acquire(nbytes, timeout_s=cfg.chunk_timeout_s)
-            staging = torch.from_numpy(buf)
+            staging = as_tensor(buf)
             try:
                 await loop.run_in_executor(
                     ctx.executor, _pack, layers, ids, req, local, staging
@@ -78,7 +78,8 @@ def _pack(
     layers: list[torch.Tensor], ids: list[int], req: wire.ReadRequest, local: LocalKV,
     staging: torch.Tensor,
 ) -> None:
-    pack(layers, ids, req.head_start, req.head_end, local.topology.layout, out=staging)
+    with on_device(staging):  # packed before UCX reads a device buffer
+        pack(layers, ids, req.head_start, req.head_end, local.topology.layout, out=staging)
 
 
 async def _send_one(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
@@ -53,7 +54,13 @@ _HELLO = struct.Struct("<8sQ")  # magic, connection id
 _FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
 _CONTIG = ctypes.byref(RequestParam(op_attr_mask=0))  # contiguous bytes, no callback
 
-Bytes = npt.NDArray[np.uint8]
+#: contiguous uint8 memory: a numpy array, or a tensor (a CUDA one too: UCX finds
+#: the memory type from the address)
+Bytes = npt.NDArray[np.uint8] | torch.Tensor
+
+
+def _address(buf: Bytes) -> int:
+    return buf.data_ptr() if isinstance(buf, torch.Tensor) else int(buf.ctypes.data)
 
 
 def ignore_outcome(future: asyncio.Future[None]) -> None:
@@ -81,7 +88,7 @@ class UcxConnection:
         self.local_id = local_id
         self.remote_id = 0
         self._closed = False
-        self._frame_buf: Bytes | None = None
+        self._frame_buf: npt.NDArray[np.uint8] | None = None
         self._recvs: list[tuple[Any, Any]] = []  # (tag, UCX request) of posted receives
 
     @property
@@ -180,7 +187,7 @@ class UcxConnection:
         self._check_open("send")
         logger.debug("send peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
         lib = self._worker.ucp
-        value = lib.tag_send_nbx(self._endpoint.handle, buf.ctypes.data, buf.nbytes,
+        value = lib.tag_send_nbx(self._endpoint.handle, _address(buf), buf.nbytes,
                                  self._tag_value(self.remote_id, channel), _CONTIG)
         request = UcpRequest(lib, value, f"send to {self.peer}", None)
         return self._worker.track(request, buf, busy=busy)
@@ -212,7 +219,7 @@ class UcxConnection:
         self._check_open("recv")
         logger.debug("recv peer=%s channel=%d nbytes=%d", self.peer, channel, buf.nbytes)
         lib = self._worker.ucp
-        value = lib.tag_recv_nbx(self.worker_handle, buf.ctypes.data, buf.nbytes,
+        value = lib.tag_recv_nbx(self.worker_handle, _address(buf), buf.nbytes,
                                  self._tag_value(self.local_id, channel), TAG_MASK_FULL, _CONTIG)
         request = UcpRequest(lib, value, f"recv from {self.peer}", buf.nbytes if exact else None)
         self._recvs = [(t, r) for t, r in self._recvs if not r.completed]
