@@ -15,7 +15,7 @@ in its own process with its own deadline, reported pass/fail with its numbers::
                   size and layout and with others, staged through pinned host mirrors
                   (``host_buffer``) and through device buffers (the caches themselves:
                   Triton pack, one UCX message per chunk, Triton unpack)
-    direct-read   two agent processes with CUDA caches, no host buffer: the blocks
+    cuda-read     two agent processes with CUDA caches, no host buffer: the blocks
                   move GPU to GPU (device staging buffers over UCX's cuda_ipc), bytes
                   verified, GB/s beside the host-staged path (device->host copy, host
                   read, host->device)
@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("kernels", "kernel-bench", "engine-pd", "direct-read", "ucx-yardstick", "kernel-tune")
+STEPS = ("kernels", "kernel-bench", "engine-pd", "cuda-read", "ucx-yardstick", "kernel-tune")
 #: what runs without --steps (the last two are measurements to choose designs by)
 DEFAULT_STEPS = STEPS[:4]
 #: each step's deadline on the GPU (seconds); the whole run stays under 8 minutes
-STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 150, "direct-read": 80,
+STEP_TIMEOUT_S = {"kernels": 200, "kernel-bench": 60, "engine-pd": 150, "cuda-read": 80,
                   "ucx-yardstick": 90, "kernel-tune": 160}
 TOTAL_BUDGET_S = 450
 #: the kernel test modules that run on CUDA tensors (tests/kernels/helpers.DEVICE)
@@ -346,7 +346,7 @@ def step_engine_pd(opts: Options) -> StepResult:
     return StepResult("engine-pd", not problems, numbers=numbers, detail=detail)
 
 
-def step_direct_read(opts: Options) -> StepResult:
+def step_cuda_read(opts: Options) -> StepResult:
     """CUDA blocks between two agent processes over UCX, beside the host-staged path."""
     import torch
 
@@ -366,30 +366,31 @@ def step_direct_read(opts: Options) -> StepResult:
               for _ in range(num_layers)]
     pairs = {}
     try:
-        pairs["direct"] = AgentPair(num_layers, pool, 60.0, local_copy=False,
+        pairs["device"] = AgentPair(num_layers, pool, 60.0, local_copy=False,
                                     name="kvbridge-cuda", device=opts.device)
         pairs["host"] = AgentPair(num_layers, pool, 60.0, local_copy=True,
                                   name="kvbridge-host")
         for num_blocks in opts.read_blocks:
             nbytes = num_blocks * block_nbytes
-            direct = pairs["direct"].measure(num_blocks, opts.read_iters, nbytes)
+            device = pairs["device"].measure(num_blocks, opts.read_iters, nbytes)
             host = pairs["host"].measure(num_blocks, opts.read_iters, nbytes)
             ids = list(range(0, 2 * num_blocks, 2))
             d2h = _best_copy(device_cache, mirror, ids, opts)
             h2d = _best_copy(mirror, device_cache, ids, opts)
-            direct_s, host_s = _p50_s(direct), _p50_s(host)
+            device_s, host_s = _p50_s(device), _p50_s(host)
             staged_s = d2h + host_s + h2d
             row = {"num_blocks": num_blocks, "nbytes": nbytes,
-                   "direct_p50_ms": direct_s * 1e3, "direct_gbps": nbytes / direct_s / 1e9,
-                   "direct_verified": direct.verified,
+                   "device_p50_ms": device_s * 1e3, "device_gbps": nbytes / device_s / 1e9,
+                   "device_verified": device.verified,
                    "host_read_p50_ms": host_s * 1e3, "host_verified": host.verified,
                    "d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3,
                    "staged_ms": staged_s * 1e3, "staged_gbps": nbytes / staged_s / 1e9,
-                   "direct_note": direct.note}
+                   "device_note": device.note,
+                   "rndv_scheme": os.environ.get("UCX_RNDV_SCHEME", "kvbridge's default")}
             rows.append(row)
             print(json.dumps(row))
-            if not (direct.verified and host.verified):
-                problems.append(f"{num_blocks} blocks: bytes wrong (direct {direct.note}; "
+            if not (device.verified and host.verified):
+                problems.append(f"{num_blocks} blocks: bytes wrong (device {device.note}; "
                                 f"host {host.note})")
     except Exception as exc:  # noqa: BLE001 - the step's outcome, reported whole
         problems.append(f"{type(exc).__name__}: {exc}")
@@ -397,9 +398,9 @@ def step_direct_read(opts: Options) -> StepResult:
         for pair in pairs.values():
             pair.close()
     detail = "; ".join(problems) or ", ".join(
-        f"{r['num_blocks']} blocks direct {r['direct_gbps']:.2f} GB/s vs staged "
+        f"{r['num_blocks']} blocks GPU to GPU {r['device_gbps']:.2f} GB/s vs through the host "
         f"{r['staged_gbps']:.2f}" for r in rows)
-    return StepResult("direct-read", not problems and bool(rows),
+    return StepResult("cuda-read", not problems and bool(rows),
                       numbers={"num_layers": num_layers, "rows": rows}, detail=detail)
 
 
@@ -491,7 +492,7 @@ def _require_device(opts: Options) -> None:
 
 STEP_FUNCTIONS: dict[str, Callable[[Options], StepResult]] = {
     "kernels": step_kernels, "kernel-bench": step_kernel_bench,
-    "engine-pd": step_engine_pd, "direct-read": step_direct_read,
+    "engine-pd": step_engine_pd, "cuda-read": step_cuda_read,
     "ucx-yardstick": step_ucx_yardstick, "kernel-tune": step_kernel_tune,
 }
 

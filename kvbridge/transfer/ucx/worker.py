@@ -130,7 +130,8 @@ class UcxWorker:
         config: extra UCX options (``UCX_`` prefix dropped). Unless they or the
             environment name ``TLS``, the transports are ``SAFE_TLS``. The rendezvous scheme
             defaults to ``get_zcopy``, which measured several times faster for
-            multi-MB messages between processes on one host than ``auto``. The
+            multi-MB messages between processes on one host than ``auto``, unless
+            they or the environment (``UCX_RNDV_SCHEME``) name one. The
             listener reuses its address (``CM_REUSEADDR``) so a restart keeps its port.
 
     Must be created inside the running event loop that will use it.
@@ -149,8 +150,11 @@ class UcxWorker:
         # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
         # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
         options = {"RNDV_SCHEME": "get_zcopy", "CM_REUSEADDR": "y", **(config or {})}
-        if "TLS" not in options and "UCX_TLS" not in os.environ:
-            options["TLS"] = SAFE_TLS
+        for name, default in (("TLS", SAFE_TLS), ("RNDV_SCHEME", options["RNDV_SCHEME"])):
+            if f"UCX_{name}" in os.environ and name not in (config or {}):
+                options.pop(name)  # the environment's choice: UCX reads it itself
+            else:
+                options[name] = default
         self._context = ucx_api.UCXContext(
             options,
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
