@@ -239,7 +239,7 @@ class TransferAgent:
         assert self._local is not None
         cfg = self.config
         loop = asyncio.get_running_loop()
-        worker = UcxWorker()
+        worker = UcxWorker(gpu_memory=self._local.layers[0].is_cuda)
         executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-copy")
         server_ctx = ServerContext(
             self._me, self._local, self.grants, cfg,

@@ -131,7 +131,11 @@ class UcxWorker:
             environment name ``TLS``, the transports are ``SAFE_TLS``. The rendezvous scheme
             defaults to ``get_zcopy``, which measured several times faster for
             multi-MB messages between processes on one host than ``auto``, unless
-            they or the environment (``UCX_RNDV_SCHEME``) name one. The
+            they or the environment (``UCX_RNDV_SCHEME``) name one.
+        gpu_memory: messages go to and from GPU memory (an agent's CUDA caches):
+            the default scheme is then UCX's own (``auto``); ``get_zcopy`` moved
+            8-128 MiB between two processes on one H200 at 0.6-0.7 GB/s, ``auto``
+            and ``put_zcopy`` at 2.4-7.9 GB/s (docs/benchmarks.md, "GPU"). The
             listener reuses its address (``CM_REUSEADDR``) so a restart keeps its port.
 
     Must be created inside the running event loop that will use it.
@@ -144,12 +148,14 @@ class UcxWorker:
         busy_poll_s: float = 0.001,
         idle_poll_s: float = 1.0,
         config: dict[str, str] | None = None,
+        gpu_memory: bool = False,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         # CM_REUSEADDR: a restarted agent must get its port back at once, although
         # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
         # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
-        options = {"RNDV_SCHEME": "get_zcopy", "CM_REUSEADDR": "y", **(config or {})}
+        scheme = "auto" if gpu_memory else "get_zcopy"
+        options = {"RNDV_SCHEME": scheme, "CM_REUSEADDR": "y", **(config or {})}
         for name, default in (("TLS", SAFE_TLS), ("RNDV_SCHEME", options["RNDV_SCHEME"])):
             if f"UCX_{name}" in os.environ and name not in (config or {}):
                 options.pop(name)  # the environment's choice: UCX reads it itself
