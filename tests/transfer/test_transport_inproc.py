@@ -25,7 +25,7 @@ from kvbridge.transfer.errors import (
     TransferError,
 )
 from kvbridge.transfer.ucx.connection import UcxConnection
-from kvbridge.transfer.ucx.worker import UcxWorker, _map_ucx_error
+from kvbridge.transfer.ucx.worker import SAFE_TLS, UcxWorker, _map_ucx_error
 from tests.transfer.inproc import HOST
 from tests.waiting import wait_until_async
 
@@ -185,6 +185,38 @@ def test_connecting_where_nobody_listens_fails_typed_within_the_deadline() -> No
                 await asyncio.wait_for(worker.connect(HOST, port, timeout_s=0.5), 5.0)
             await wait_until_async(lambda: worker.num_connections == 0, 10.0,
                                    message="the id to be released")
+        finally:
+            await worker.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("environ", "kwargs", "tls", "scheme"),
+    [
+        ({}, {}, SAFE_TLS, "get_zcopy"),
+        ({}, {"gpu_memory": True}, SAFE_TLS, "auto"),  # CUDA caches: UCX's own choice
+        ({"UCX_TLS": "tcp,self", "UCX_RNDV_SCHEME": "put_zcopy"}, {}, "tcp,self", "put_zcopy"),
+        ({"UCX_RNDV_SCHEME": "put_zcopy"}, {"gpu_memory": True}, SAFE_TLS, "put_zcopy"),
+        ({"UCX_TLS": "tcp,self"}, {"config": {"TLS": "tcp,sm,self"}}, "tcp,sm,self", "get_zcopy"),
+    ],
+    ids=["defaults", "gpu", "environment", "environment-gpu", "config-over-environment"],
+)
+def test_transports_and_rendezvous_scheme(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], kwargs: dict[str, object],
+    tls: str, scheme: str,
+) -> None:
+    """kvbridge's defaults, unless the environment (or, above it, the caller) names them."""
+    for name in ("UCX_TLS", "UCX_RNDV_SCHEME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+    async def run() -> None:
+        worker = UcxWorker(**kwargs)  # type: ignore[arg-type]
+        try:
+            config = worker._context.config
+            assert (config["TLS"], config["RNDV_SCHEME"]) == (tls, scheme)
         finally:
             await worker.close()
 

@@ -135,7 +135,10 @@ class UcxWorker:
         gpu_memory: messages go to and from GPU memory (an agent's CUDA caches):
             the default scheme is then UCX's own (``auto``); ``get_zcopy`` moved
             8-128 MiB between two processes on one H200 at 0.6-0.7 GB/s, ``auto``
-            and ``put_zcopy`` at 2.4-7.9 GB/s (docs/benchmarks.md, "GPU"). The
+            and ``put_zcopy`` at 2.4-7.9 GB/s (docs/benchmarks.md, "GPU"). And
+            the driver polls without sleeping while bulk data is in flight: UCX's
+            GPU transport (cuda_ipc) raises no event when a copy completes, so a
+            sleep on the event fd lasted ``busy_poll_s`` per chunk. The
             listener reuses its address (``CM_REUSEADDR``) so a restart keeps its port.
 
     Must be created inside the running event loop that will use it.
@@ -154,13 +157,12 @@ class UcxWorker:
         # CM_REUSEADDR: a restarted agent must get its port back at once, although
         # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
         # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
-        scheme = "auto" if gpu_memory else "get_zcopy"
-        options = {"RNDV_SCHEME": scheme, "CM_REUSEADDR": "y", **(config or {})}
-        for name, default in (("TLS", SAFE_TLS), ("RNDV_SCHEME", options["RNDV_SCHEME"])):
-            if f"UCX_{name}" in os.environ and name not in (config or {}):
-                options.pop(name)  # the environment's choice: UCX reads it itself
-            else:
-                options[name] = default
+        defaults = {"TLS": SAFE_TLS, "RNDV_SCHEME": "auto" if gpu_memory else "get_zcopy",
+                    "CM_REUSEADDR": "y"}
+        options = dict(config or {})
+        for name, value in defaults.items():  # the caller's, else the environment's, else ours
+            if name not in options and f"UCX_{name}" not in os.environ:
+                options[name] = value
         self._context = ucx_api.UCXContext(
             options,
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
@@ -168,6 +170,7 @@ class UcxWorker:
         self._worker = ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self.ucp = UcpLibrary()
+        self._gpu_memory = gpu_memory
         self._spin_s = spin_s
         self._busy_poll_s = busy_poll_s
         self._idle_poll_s = idle_poll_s
@@ -206,7 +209,8 @@ class UcxWorker:
             if loop.time() >= self._next_drain:
                 self._drain_stray()
                 self._next_drain = loop.time() + _DRAIN_EVERY_S
-            if not self._stop_spin and loop.time() - self._last_event < self._spin_s:
+            spinning = self._gpu_memory and self._num_busy  # no events from GPU copies
+            if spinning or (not self._stop_spin and loop.time() - self._last_event < self._spin_s):
                 await asyncio.sleep(0)
                 continue
             self._wakeup.clear()
