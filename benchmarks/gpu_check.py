@@ -62,6 +62,36 @@ TENSOR_TRANSPORT_TEST = "tests/transfer/test_transport_inproc.py::test_data_in_t
 GPU_KERNEL_SELECTION = "not torch"
 
 
+#: Python distributions the GPU machine's image has (the device tool's KINDS.md
+#: list): whatever else the checks import travels as wheels (scripts/gpu_wheels.txt)
+DEVICE_IMAGE = frozenset({
+    "torch", "triton", "numpy", "prometheus-client", "nvidia-ml-py", "cuda-bindings",
+    "cuda-core", "cuda-pathfinder", "pytest", "pytest-timeout", "hypothesis", "setuptools",
+    "tqdm", "typing-extensions", "safetensors",
+})
+#: imported where installed, not needed (torch looks for dill)
+OPTIONAL_IMPORTS = frozenset({"dill"})
+WHEEL_LIST = REPO_ROOT / "scripts" / "gpu_wheels.txt"
+
+
+def wheel_list(path: Path = WHEEL_LIST) -> dict[str, str]:
+    """``{distribution: version}`` of the wheels the GPU machine gets (names normalised)."""
+    pins: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            if not version:
+                raise GpuCheckError(f"{path}: {line!r} pins no version")
+            pins[normalize(name)] = version
+    return pins
+
+
+def normalize(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 class GpuCheckError(RuntimeError):
     """A step could not run as asked (bad arguments, no CUDA where it is needed)."""
 
