@@ -323,4 +323,3 @@ class ConnectorWorker:
         if self._agent is None:
             raise ConfigError("register_kv_caches must be called first")
         return self._agent
-
