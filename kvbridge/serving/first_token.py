@@ -22,7 +22,10 @@ only keys known to be safe. Everything else takes the classic flow.
 
 P must return its token ids (vLLM: ``return_token_ids``): an answer without
 ``choices[0].token_ids`` and ``prompt_token_ids`` falls back to the classic
-flow for that request. Pure functions; the proxy does the HTTP.
+flow for that request. So does an answer whose token's text is not whole
+(:func:`take`): the text must also equal colocated, and a character whose
+bytes span t1 and t2 comes out right only where one detokenizer sees both.
+Pure functions; the proxy does the HTTP.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ def plan(body: dict[str, Any]) -> bool:
         and not body.get("echo") and body.get("logprobs") is None and not body.get("stop")
         and not body.get("presence_penalty") and not body.get("frequency_penalty")
         and not (sampled and body.get("seed") is not None)
+        # vLLM then writes a special token right after another without its
+        # leading space, knowing "after another" from its output only: t1 would
+        # be in D's prompt.
+        and not (body.get("skip_special_tokens") is False
+                 and body.get("spaces_between_special_tokens") is False)
     )
 
 
@@ -110,9 +118,24 @@ class FirstToken:
 def take(answer: dict[str, Any]) -> FirstToken | None:
     """P's token from its answer, or None (classic flow).
 
-    None when the answer lacks the token ids, or when the token's text is not
-    whole: a character whose bytes span P's token and the next one (P, having
-    stopped, shows it as U+FFFD) is only right when D decodes both.
+    None when the answer lacks the token ids, or when P's token did not end the
+    request and its text is not whole: empty or holding U+FFFD.
+
+    Why the text decides: P's detokenizer (vLLM's incremental one, fast or
+    slow) shows nothing for a token whose bytes end inside a UTF-8 character
+    (a byte token of a byte-level BPE, say) and keeps them for the next token,
+    which P never makes. D, asked for the rest with t1 at the end of its
+    prompt, starts its detokenizer on that prompt, and one primed with ids
+    that end inside a character renders the prompt's text (all of it, or from
+    its last whole character on) in front of t2's: the client would get the
+    prompt's text. An empty text is also what a skipped special token shows;
+    the classic flow is right for it too (D samples t1 and renders t1 and t2
+    together, as colocated). Measured on both of vLLM 0.32's detokenizers over
+    random byte-level prompts and answers: whenever P's text is not empty, P's
+    text followed by D's equals a colocated answer's.
+
+    A token that ended the request (EOS or a stop token): P's answer is the
+    client's as it is, the same one a colocated server gives, whatever its text.
     """
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
@@ -122,10 +145,12 @@ def take(answer: dict[str, Any]) -> FirstToken | None:
     text = choice.get("text")
     if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int)
             and isinstance(prompt_ids, list) and prompt_ids
-            and all(isinstance(t, int) for t in prompt_ids) and isinstance(text, str)
-            and "\ufffd" not in text):
+            and all(isinstance(t, int) for t in prompt_ids) and isinstance(text, str)):
         return None
-    return FirstToken(answer, ids[0], text, prompt_ids, choice.get("finish_reason") == "stop")
+    finished = choice.get("finish_reason") == "stop"
+    if not finished and (not text or "\ufffd" in text):
+        return None
+    return FirstToken(answer, ids[0], text, prompt_ids, finished)
 
 
 def decode_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any] | None

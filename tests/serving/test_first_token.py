@@ -3,13 +3,15 @@
 The fake model is a deterministic next-token function of the whole sequence, so
 a colocated greedy answer is known exactly; P and D speak vLLM's completion
 format (``return_token_ids``, ``prompt_token_ids`` on the choice, ``usage``,
-SSE events). The real thing, through real vLLM servers, is in
-``tests/integrations/vllm/test_pd.py``.
+SSE events) and render text as vLLM's incremental detokenizer does
+(:class:`Detokenizer`), down to a character split over two tokens. The real
+thing, through real vLLM servers, is in ``tests/integrations/vllm/test_pd.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,11 +26,45 @@ from kvbridge.serving import first_token
 from kvbridge.serving.proxy import ProxyConfig, build_proxy_app
 
 EOS = 1
+SPLIT = 150  # the fake model answers it with "é" in two tokens: LEAD, then TRAIL
+LEAD, TRAIL = 200, 201
+_BYTES = {LEAD: "é".encode()[:1], TRAIL: "é".encode()[1:]}
 
 
 def next_token(ids: list[int]) -> int:
-    """The fake model's greedy choice after ``ids`` (EOS after a 99)."""
+    """The fake model's greedy choice after ``ids`` (EOS after a 99, "é" after a SPLIT)."""
+    if ids[-1] in (SPLIT, LEAD):
+        return LEAD if ids[-1] == SPLIT else TRAIL
     return EOS if ids[-1] == 99 else (sum(ids) * 31 + len(ids)) % 97 + 2
+
+
+def _ends_inside_a_character(data: bytes) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return bool(decoder.getstate()[0])
+
+
+class Detokenizer:
+    """vLLM's incremental detokenizer (tokenizers' ``DecodeStream``) as measured.
+
+    Primed with the prompt; each token's text is everything not yet shown, or
+    nothing while the bytes end inside a character (which it keeps for the
+    next token: a request that stops there never shows them). Primed with a
+    prompt that ends inside a character, it has shown none of the prompt, so
+    the token that completes the character brings the prompt's text with it.
+    """
+
+    def __init__(self, prompt: list[int]) -> None:
+        self._bytes = b"".join(map(token_bytes, prompt))
+        self._shown = 0 if _ends_inside_a_character(self._bytes) else len(self._bytes)
+
+    def step(self, token: int) -> str:
+        self._bytes += token_bytes(token)
+        if _ends_inside_a_character(self._bytes):
+            return ""
+        text = self._bytes[self._shown:].decode("utf-8", "replace")
+        self._shown = len(self._bytes)
+        return text
 
 
 def colocated(prompt: list[int], max_tokens: int) -> list[int]:
@@ -40,8 +76,14 @@ def colocated(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-def text_of(ids: list[int]) -> str:
-    return "".join(f"<{t}>" for t in ids)
+def token_bytes(token: int) -> bytes:
+    return _BYTES.get(token) or f"<{token}>".encode()
+
+
+def text_of(ids: list[int], prompt: list[int] | None = None) -> str:
+    """The text of an answer ``ids`` to ``prompt``, as a colocated server shows it."""
+    detokenizer = Detokenizer(prompt or [])
+    return "".join(detokenizer.step(t) for t in ids)
 
 
 @dataclass
@@ -73,7 +115,7 @@ class Server:
             if body.get("stream"):
                 return StreamingResponse(self._events(ids, out, wants, usage, reason),
                                          media_type="text/event-stream")
-            choice = {"index": 0, "text": text_of(out), "finish_reason": reason,
+            choice = {"index": 0, "text": text_of(out, ids), "finish_reason": reason,
                       "token_ids": out if wants else None,
                       "prompt_token_ids": ids if wants else None}
             return JSONResponse({"id": f"cmpl-{self.name}", "created": 1, "model": "m",
@@ -85,8 +127,9 @@ class Server:
 
     async def _events(self, ids: list[int], out: list[int], wants: bool,
                       usage: dict[str, int], reason: str) -> AsyncIterator[bytes]:
+        detokenizer = Detokenizer(ids)
         for i, token in enumerate(out):
-            choice: dict[str, Any] = {"index": 0, "text": text_of([token]),
+            choice: dict[str, Any] = {"index": 0, "text": detokenizer.step(token),
                                       "finish_reason": reason if i == len(out) - 1 else None}
             if wants:
                 choice["token_ids"] = [token]
@@ -108,17 +151,28 @@ class Hosts(httpx.AsyncBaseTransport):
 
 def ask(body: dict[str, Any], *, d_fails: bool = False, first: bool = True
         ) -> tuple[httpx.Response, Server, Server]:
+    [response], p, d = ask_at_once([body], d_fails=d_fails, first=first)
+    return response, p, d
+
+
+def ask_at_once(bodies: list[dict[str, Any]], *, d_fails: bool = False, first: bool = True
+                ) -> tuple[list[httpx.Response], Server, Server]:
+    """Send every body to one proxy at the same time; the answers in the bodies' order."""
     p, d = Server("p"), Server("d", fail=d_fails)
     config = ProxyConfig(("http://p",), ("http://d",), first_token=first)
 
-    async def main() -> httpx.Response:
+    async def main() -> list[httpx.Response]:
         app = build_proxy_app(config, transport=Hosts([p, d]))
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-                response = await client.post("/v1/completions", json=body, timeout=30)
-                await response.aread()
-                return response
+
+                async def one(body: dict[str, Any]) -> httpx.Response:
+                    response = await client.post("/v1/completions", json=body, timeout=30)
+                    await response.aread()
+                    return response
+
+                return list(await asyncio.gather(*map(one, bodies)))
 
     return asyncio.run(main()), p, d
 
@@ -197,6 +251,7 @@ def test_ps_token_ending_the_request_is_the_answer_and_d_still_frees_p(stream: b
     {"stop": ["<5>"]}, {"logprobs": 1}, {"n": 2}, {"echo": True}, {"presence_penalty": 0.5},
     {"temperature": 0.8, "seed": 3}, {"response_format": {"type": "json_object"}},
     {"max_tokens": 1}, {"prompt": [[1, 2], [3]]},
+    {"skip_special_tokens": False, "spaces_between_special_tokens": False},
 ])
 def test_requests_that_could_depend_on_where_t1_is_sampled_take_the_classic_flow(
     extra: dict[str, Any]
@@ -224,3 +279,62 @@ def test_a_decode_failing_after_ps_token_ends_the_stream_with_an_error() -> None
     got = events(response)
     assert got[0]["choices"][0]["token_ids"] == [colocated(PROMPT, 1)[0]]
     assert "error" in got[-1] and "502" not in response.text.split("\n")[0]
+
+
+def answer_of(response: httpx.Response, stream: bool) -> tuple[list[int], str]:
+    """The client's tokens and text, from one JSON answer or from its events."""
+    assert response.status_code == 200, response.text
+    choices = ([c for e in events(response) for c in e["choices"]] if stream
+               else response.json()["choices"])
+    tokens = [t for c in choices for t in c.get("token_ids") or []]
+    return tokens, "".join(c["text"] for c in choices)
+
+
+SPLIT_PROMPT = [5, 17, SPLIT]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_token_inside_a_character_takes_the_classic_flow(stream: bool) -> None:
+    """P shows t1 as "" (its bytes wait for t2); D primed with prompt + t1 would show
+    the prompt's text in front of "é". The client gets colocated's answer instead."""
+    want = colocated(SPLIT_PROMPT, 6)
+    assert want[:2] == [LEAD, TRAIL]
+    assert text_of(want[:1], SPLIT_PROMPT) == ""  # what P answers
+    assert Detokenizer([*SPLIT_PROMPT, LEAD]).step(TRAIL) == "<5><17><150>é"  # D, so primed
+    response, p, d = ask({**BASE, "prompt": SPLIT_PROMPT, "stream": stream})
+    tokens, text = answer_of(response, stream)
+    assert (tokens, text) == (want, text_of(want, SPLIT_PROMPT))
+    assert text.startswith("é<")
+    [p_body], [d_body] = p.bodies, d.bodies
+    assert p_body["max_tokens"] == 1
+    # D samples t1 again after the prompt P gave it, and renders t1 and t2 together
+    assert (d_body["prompt"], d_body["max_tokens"]) == (SPLIT_PROMPT, 6)
+    assert d_body["kv_transfer_params"]["remote_num_tokens"] == len(SPLIT_PROMPT)
+
+
+def test_ps_token_is_taken_only_with_a_whole_text_unless_it_ended_the_request() -> None:
+    whole = {"text": "x", "token_ids": [7], "prompt_token_ids": [1, 2], "finish_reason": "length"}
+    assert first_token.take({"choices": [whole]}) is not None
+    for text in ("", "\ufffd", "a\ufffd"):
+        assert first_token.take({"choices": [{**whole, "text": text}]}) is None, text
+    # P's token ended the request: P's answer is the client's, as colocated gives it
+    for text in ("", "\ufffd", "x"):
+        first = first_token.take({"choices": [{**whole, "text": text, "finish_reason": "stop"}]})
+        assert first is not None and first.finished and first.text == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_at_once_each_get_colocateds_answer(stream: bool) -> None:
+    """As the issue found it: several requests at once, some of whose first
+    tokens are half a character; each answer is colocated's, text and tokens."""
+    prompts = [[5, 17, SPLIT], PROMPT, [9, SPLIT], [3, 3, 3], [40, 41, 42, SPLIT], [4, 99]]
+    bodies = [{**BASE, "prompt": prompt, "ignore_eos": False, "stream": stream}
+              for prompt in prompts]
+    responses, _, d = ask_at_once(bodies)
+    for prompt, response in zip(prompts, responses, strict=True):
+        want = colocated(prompt, 6)
+        assert answer_of(response, stream) == (want, text_of(want, prompt)), prompt
+    # only those went the classic way (D asked for the client's prompt and all 6 tokens)
+    classic = [b["prompt"] for b in d.bodies if b["prompt"] in prompts]
+    assert sorted(classic) == sorted(p for p in prompts if p[-1] == SPLIT)
+    assert {b["max_tokens"] for b in d.bodies if b["prompt"] in prompts} == {6}
