@@ -10,6 +10,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,69 @@ def prompt_ids(num_tokens: int, seed: int = 0) -> list[int]:
     """Random token ids without the special tokens 0 (BOS) and 1 (EOS)."""
     rng = random.Random(num_tokens * 7919 + seed)
     return rng.choices(range(2, VOCAB_SIZE), k=num_tokens)
+
+
+_WORDS = ("the cache", "block token prefill", "decode memory", "head server", "model layer")
+#: Text prompts (the server adds BOS): 40 short ones, and 16 of two to three blocks
+#: (their ends differ). For some, a tiny model's first greedy token is half a UTF-8
+#: character (a byte token of its byte-level BPE): :func:`first_texts` tells which, on
+#: the model a server runs.
+TEXT_PROMPTS = [f"{words} {i}" for words in _WORDS for i in range(8)] + [
+    f"{' '.join(_WORDS) * 30} {words} {i}" for words in _WORDS[:2] for i in range(8)
+]
+
+
+def first_texts(url: str, model: str, prompts: list[str]) -> list[str]:
+    """The text of each prompt's first greedy token, in one request: "" for half a character."""
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0,
+            "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response.raise_for_status()
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [c["text"] for c in choices]
+
+
+def answers_at_once(
+    url: str, model: str, prompts: list[str], max_tokens: int, *, stream: bool
+) -> list[tuple[list[int], str]]:
+    """Greedy answers (tokens, text) to ``prompts``, all asked at the same time.
+
+    A stream's tokens and text are its events' joined; each answer is checked
+    to have ended with ``[DONE]`` and no error event.
+    """
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    answers: dict[int, tuple[list[int], str] | BaseException] = {}
+
+    def ask(index: int) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions",
+                              json={**body, "prompt": prompts[index]}, timeout=300) as response:
+                response.raise_for_status()
+                if stream:
+                    lines = [line for line in response.iter_lines() if line]
+                    assert lines[-1] == "data: [DONE]", lines[-3:]
+                    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+                    assert not any("error" in event for event in events), events[-1]
+                    choices = [c for event in events for c in event["choices"]]
+                else:
+                    response.read()
+                    choices = response.json()["choices"]
+            answers[index] = ([t for c in choices for t in c.get("token_ids") or []],
+                              "".join(c["text"] for c in choices))
+        except BaseException as exc:  # reported below
+            answers[index] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    failed = {i: a for i, a in answers.items() if isinstance(a, BaseException)}
+    if failed or len(answers) != len(prompts):
+        raise AssertionError(f"requests to {url} failed: {failed or 'some never answered'}")
+    return [a for a in (answers[i] for i in range(len(prompts)))
+            if not isinstance(a, BaseException)]
 
 
 def prefill(p_url: str, prompt: list[int] | str, **extra: Any) -> dict[str, Any]:

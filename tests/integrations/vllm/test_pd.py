@@ -33,9 +33,12 @@ from tests.integrations.vllm.pd import (
     BYTES,
     NUM_NEW_TOKENS,
     SYNC_LOADS,
+    TEXT_PROMPTS,
     TRANSFERS,
     ZERO_CONFIG,
+    answers_at_once,
     counters,
+    first_texts,
     kv_config,
     kvbridge_proxy,
     pd_complete,
@@ -322,5 +325,36 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
     assert after[TRANSFERS] == before[TRANSFERS] + 8
     assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    """Text prompts whose first answer token is half a UTF-8 character, with
+    whole ones, several at once, streamed and not: text and tokens as colocated.
+
+    P shows such a token as "" (its bytes wait for the next token); D asked to
+    continue after it put the prompt's text in front of the answer (issue 28).
+    """
+    ref = vllm_servers.shared(ref_spec)
+    model = str(ref.spec.model)
+    texts = first_texts(ref.base_url, model, TEXT_PROMPTS)
+    split = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if not text]
+    whole = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if text]
+    assert len(split) >= 3 and any(len(p) > 500 for p in split), texts
+    prompts = [*split[:2], *[p for p in split if len(p) > 500][:1], *whole[:3]]
+    expected = answers_at_once(ref.base_url, model, prompts, NUM_NEW_TOKENS, stream=False)
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+        for stream in (False, True):
+            got = answers_at_once(proxy, model, prompts, NUM_NEW_TOKENS, stream=stream)
+            for prompt, want, answer in zip(prompts, expected, got, strict=True):
+                assert answer == want, (stream, prompt[:40])
     wait_usage(p.base_url)
     wait_usage(d.base_url)
