@@ -20,7 +20,11 @@ from tests.integrations.vllm.client import complete
 from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     NUM_NEW_TOKENS,
+    TEXT_PROMPTS,
     ZERO_CONFIG,
+    answers_at_once,
+    first_texts,
+    kvbridge_proxy,
     pd_complete,
     prompt_ids,
     wait_usage,
@@ -33,13 +37,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 4
 
 
+def tp_specs(model: Path) -> list[ServerSpec]:
+    """The TP 1 and TP 2 servers, each both P and D."""
+    return [ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE, tensor_parallel_size=tp,
+                       kv_transfer_config=json.dumps(ZERO_CONFIG))
+            for tp in (1, 2)]
+
+
 def test_p_and_d_with_different_tp_sizes(
     vllm_servers: ServersForTest, tiny_llama_fp32: Path
 ) -> None:
-    specs = [ServerSpec(tiny_llama_fp32, dtype="float32", block_size=BLOCK_SIZE,
-                        tensor_parallel_size=tp, kv_transfer_config=json.dumps(ZERO_CONFIG))
-             for tp in (1, 2)]
-    tp1, tp2 = (vllm_servers.shared(spec) for spec in specs)
+    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
     for num_tokens in (9, 300, 1100):
         num_blocks = -(-(num_tokens - 1) // BLOCK_SIZE)
         prompt = prompt_ids(num_tokens, seed=20)
@@ -60,3 +68,25 @@ def test_p_and_d_with_different_tp_sizes(
         assert up.external_hits == num_tokens - 1
         for server in (tp1, tp2):
             wait_usage(server.base_url)
+
+
+def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy_p_tp2_d_tp1(
+    vllm_servers: ServersForTest, tiny_llama_fp32: Path, tmp_path: Path
+) -> None:
+    """As issue 28 saw it: P TP 2 -> D TP 1 behind ``kvbridge proxy``, answers
+    whose first token is half a UTF-8 character among whole ones, all at once."""
+    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
+    model = str(tp2.spec.model)
+    texts = first_texts(tp2.base_url, model, TEXT_PROMPTS)
+    split = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if not text]
+    whole = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if text]
+    assert len(split) >= 3, texts
+    prompts = [*split[:3], *whole[:3]]
+    expected = answers_at_once(tp2.base_url, model, prompts, NUM_NEW_TOKENS, stream=False)
+    with kvbridge_proxy(tp2.base_url, tp1.base_url, tmp_path / "proxy.log") as proxy:
+        for stream in (False, True):
+            got = answers_at_once(proxy, model, prompts, NUM_NEW_TOKENS, stream=stream)
+            for prompt, want, answer in zip(prompts, expected, got, strict=True):
+                assert answer == want, (stream, prompt[:40])
+    for server in (tp1, tp2):
+        wait_usage(server.base_url)
