@@ -173,7 +173,8 @@ class TransferAgent:
         self.grants = GrantTable(self._clock, self.config.lease_s, 10 * self.config.lease_s,
                                  on_release=self._released)
         self._me = Identity(
-            engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology)
+            engine_id, self.global_rank, compat_hash(compat), secret, topology_info(topology),
+            compat,
         )
         self._requested_port = port
         self._local: LocalKV | None = None

@@ -8,6 +8,8 @@ accepted connection, the reader side (``reader_handshake``) by
     R -> S  Hello(engine id, rank, version, compat hash, reader nonce,
                   proof = HMAC(secret, ctx("reader") || server nonce), topology)
     S       checks version, compat hash, proof  -> Reject(reason) and drop
+            (a compat Reject carries the server's cache description, so the
+            reader's error names the fields that differ: ``compat_reason``)
     S -> R  AgentMetadata(..., proof = HMAC(secret, ctx("server") || reader nonce))
     R       checks the server's proof (a server without the secret is dropped)
 
@@ -17,6 +19,7 @@ accepted connection, the reader side (``reader_handshake``) by
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -36,6 +39,39 @@ class Identity:
     compat_hash: str
     secret: bytes | None
     topology: wire.TopologyInfo | None = None  # sent in Hello when reading
+    compat: security.CompatInfo | None = None  # described in a compat Reject, both ways
+
+
+_SERVER_CACHE = "; server cache "
+
+
+def compat_reason(mine: security.CompatInfo | None, message: str) -> str:
+    """A compat Reject's message as the reader says it: the fields that differ.
+
+    The server appends its cache description (``_SERVER_CACHE`` + JSON of its
+    :class:`CompatInfo` fields) to the hash mismatch; the reader compares it
+    with its own. A message without one (or ``mine`` None) comes back as it is.
+    """
+    head, found, tail = message.partition(_SERVER_CACHE)
+    if not found or mine is None:
+        return message
+    try:
+        theirs = security.CompatInfo(**json.loads(tail))
+    except (ValueError, TypeError) as exc:
+        return f"{head} (server cache description unreadable: {exc})"
+    diff = security.compat_diff(mine, theirs)
+    if not diff:
+        return f"{head} (server cache {tail} equals ours: versions hash it differently)"
+    return (f"this reader's KV cache and the server's differ ({'; '.join(diff)}): start P and "
+            f"D with the same model and KV cache settings (e.g. --kv-cache-dtype)")
+
+
+def _describe(compat: security.CompatInfo | None) -> str:
+    if compat is None:
+        return ""
+    fields = {k: str(v) if k == "layout" else v for k, v in
+              security.compat_fields(compat).items()}
+    return _SERVER_CACHE + json.dumps(fields, sort_keys=True)
 
 
 async def send_msg(
@@ -107,7 +143,8 @@ async def serve_handshake(
     elif hello.compat_hash != me.compat_hash:
         problem = (
             wire.RejectReason.COMPAT,
-            f"compat hash {hello.compat_hash[:12]} != {me.compat_hash[:12]}",
+            f"compat hash {hello.compat_hash[:12]} != {me.compat_hash[:12]}"
+            + _describe(me.compat),
         )
     elif me.secret is not None:
         context = security.handshake_context(
@@ -173,6 +210,8 @@ async def reader_handshake(
     reply = await recv_msg(conn, codec, max_nbytes, timeout_s)
     match reply:
         case wire.Reject(reason=reason, message=message):
+            if reason == wire.RejectReason.COMPAT:
+                message = compat_reason(me.compat, message)
             raise RejectedError(reason, message)
         case wire.AgentMetadata():
             pass

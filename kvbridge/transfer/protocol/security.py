@@ -271,6 +271,11 @@ class CompatInfo:
                 raise ConfigError(f"CompatInfo.{name} must be a bool, got {value!r}")
 
 
+def compat_fields(info: CompatInfo) -> dict[str, object]:
+    """Every field of ``info`` by name (``CompatInfo(**compat_fields(info)) == info``)."""
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+
+
 def _compared_fields(info: CompatInfo, include_conversion_fields: bool) -> dict[str, object]:
     fields: dict[str, object] = {
         f.name: getattr(info, f.name) for f in dataclasses.fields(info)
