@@ -34,7 +34,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import engine_facts
 from kvbridge.integrations.vllm.messages import StepMetadata
 from kvbridge.integrations.vllm.scheduler_side import VllmSchedulerSide
-from kvbridge.integrations.vllm.settings import parse_settings
+from kvbridge.integrations.vllm.settings import for_data_parallel_rank, parse_settings
 from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm.worker_side import VllmWorkerSide
 
@@ -78,6 +78,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert transfer_config is not None  # the base class checked
         settings = parse_settings(transfer_config.kv_connector_extra_config)
         facts = engine_facts(vllm_config, settings.model_id)
+        settings = for_data_parallel_rank(
+            settings, vllm_config.parallel_config.data_parallel_rank,
+            facts.tp_size * facts.pp_size)
         self._scheduler: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -25,7 +25,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.protocol.security import load_cluster_secret
 
-__all__ = ["VllmSettings", "parse_settings"]
+__all__ = ["VllmSettings", "for_data_parallel_rank", "parse_settings"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
@@ -41,7 +41,9 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         base_port: 0 (default): each worker listens on a free port and P
             announces the list (``remote_ports``), so instances never collide.
             Else worker of global rank ``g`` listens on ``base_port + g`` (for
-            firewalls that open fixed ports).
+            firewalls that open fixed ports); with data parallelism, DP rank
+            ``r``'s workers on ``base_port + r * TP * PP + g``
+            (:func:`for_data_parallel_rank`).
         secret_file: file holding the cluster secret: peers then prove they know
             it (HMAC) before any KV moves. Default: ``$KVBRIDGE_SECRET`` if set,
             else no authentication (trusted network only).
@@ -116,3 +118,29 @@ def parse_settings(extra_config: object) -> VllmSettings:
                           f"(free ports) or a port >= 1024")
     settings.agent_config()  # fail at start-up, not at the first transfer
     return settings
+
+
+def for_data_parallel_rank(settings: VllmSettings, dp_rank: int, world_size: int) -> VllmSettings:
+    """The settings of one data-parallel rank (vLLM runs an engine per DP rank).
+
+    Each DP rank is an engine of its own (vLLM suffixes its engine id with
+    ``_dp<rank>``), with its own workers and agents. Free ports (``base_port``
+    0) never collide; fixed ones are moved past the lower ranks' workers.
+
+    Args:
+        settings: the connector's settings.
+        dp_rank: vLLM's ``data_parallel_rank``.
+        world_size: workers per DP rank (TP * PP).
+
+    Raises:
+        ConfigError: the moved ports run past 65535.
+    """
+    if not settings.base_port or not dp_rank:
+        return settings
+    base_port = settings.base_port + dp_rank * world_size
+    if base_port + world_size - 1 > 65535:
+        raise ConfigError(
+            f"kv_connector_extra_config.base_port {settings.base_port}: data-parallel rank "
+            f"{dp_rank} would listen on ports {base_port}..{base_port + world_size - 1}; use "
+            f"a lower base_port, or 0 (free ports)")
+    return msgspec.structs.replace(settings, base_port=base_port)

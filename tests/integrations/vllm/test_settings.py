@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.integrations.vllm.settings import VllmSettings, parse_settings
+from kvbridge.integrations.vllm.settings import (
+    VllmSettings,
+    for_data_parallel_rank,
+    parse_settings,
+)
 
 
 def test_zero_config_is_one_host_with_free_ports() -> None:
@@ -63,3 +67,14 @@ def test_settings_and_kvbridge_import_without_vllm() -> None:
     code = ("import sys, kvbridge, kvbridge.integrations.vllm.settings, "
             "kvbridge.integrations.vllm.facts; assert 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_data_parallel_ranks_never_share_a_fixed_port() -> None:
+    settings = parse_settings({"base_port": 5600})
+    # TP 2: DP rank 0 on 5600-5601, rank 1 on 5602-5603, rank 2 on 5604-5605
+    assert [for_data_parallel_rank(settings, rank, 2).base_port for rank in range(3)] == [
+        5600, 5602, 5604]
+    free = parse_settings({})
+    assert for_data_parallel_rank(free, 3, 2).base_port == 0  # free ports: nothing to move
+    with pytest.raises(ConfigError, match="data-parallel rank 4 would listen on ports 65538"):
+        for_data_parallel_rank(parse_settings({"base_port": 65530}), 4, 2)
