@@ -28,7 +28,9 @@ from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.protocol.security import CompatInfo
 
-__all__ = ["EngineFacts", "cache_topology", "engine_facts", "unique_layer_caches"]
+__all__ = [
+    "EngineFacts", "cache_topology", "engine_facts", "latent_views", "unique_layer_caches",
+]
 
 _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
@@ -50,6 +52,7 @@ class EngineFacts:
         model_id: what P and D must share (see ``VllmSettings.model_id``).
         kv_bytes_per_token: KV bytes one worker holds per token (its layers
             and heads), an estimate from the cache dtype.
+        cache_dtype: vLLM's ``--kv-cache-dtype`` ("auto": the model's dtype).
     """
 
     engine_id: str
@@ -63,6 +66,7 @@ class EngineFacts:
     is_mla: bool
     model_id: str
     kv_bytes_per_token: int = 0
+    cache_dtype: str = "auto"
 
     def topology(self, *, fused_kv: bool) -> EngineTopology:
         """The engine's topology (``fused_kv``: caches in vLLM's LBHNC layout)."""
@@ -99,6 +103,7 @@ def engine_facts(vllm_config: Any, model_id: str | None = None) -> EngineFacts:
         model_id=model_id or _model_identity(model),
         kv_bytes_per_token=(-(-num_layers // pp_size) * planes * heads_per_worker * head_size
                             * _cache_itemsize(vllm_config)),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
     )
 
 
@@ -137,31 +142,105 @@ def unique_layer_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Ten
     return layers
 
 
+def latent_views(facts: EngineFacts, layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's MLA caches as kvbridge moves them: ``[num_blocks, block_size, latent]``.
+
+    vLLM keeps an MLA layer as ``[num_blocks, 1, block_size, latent]`` (one
+    "head" holding the latent, in its ``[L, B, H, N, C]`` layout) on CPU and as
+    ``[num_blocks, block_size, latent]`` elsewhere; both are the same memory.
+    Other caches come back as they are.
+    """
+    if not facts.is_mla:
+        return layers
+    return [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in layers]
+
+
 def cache_topology(
     facts: EngineFacts, layers: list[torch.Tensor]
 ) -> tuple[EngineTopology, CompatInfo]:
     """The topology and compatibility record of a worker holding ``layers``.
 
+    Args:
+        facts: the engine's facts.
+        layers: the worker's caches, MLA ones as :func:`latent_views` gives them.
+
     Raises:
-        ConfigError: no layers, or tensors in a layout kvbridge cannot move
-            (e.g. LBNHC: ask for LBHNC, or unset ``VLLM_KV_CACHE_LAYOUT``).
+        ConfigError: no layers, or caches kvbridge cannot move; the message
+            names the shape, the layout and what to change.
     """
     if not layers:
         raise ConfigError("vLLM registered no KV cache tensors")
     first = layers[0]
+    _check_uniform(facts, layers)
+    if facts.is_mla:
+        _check_latent(facts, first)
+    else:
+        _check_fused(facts, first)
     fused = not facts.is_mla
-    expected = 3 if facts.is_mla else 4
-    if first.dim() != expected or not first.is_contiguous():
-        shape = "[blocks, block_size, latent]" if facts.is_mla else "[blocks, heads, tokens, K+V]"
-        raise ConfigError(
-            f"vLLM KV cache {tuple(first.shape)} strides {first.stride()}: kvbridge moves "
-            f"contiguous {shape} caches (vLLM layout LBHNC); unset VLLM_KV_CACHE_LAYOUT or "
-            f"set it to LBHNC"
-        )
     topology = facts.topology(fused_kv=fused)
     compat = CompatInfo(
-        model=facts.model_id, dtype=str(first.dtype), num_kv_heads=topology.num_kv_heads,
+        model=facts.model_id, dtype=_compat_dtype(facts, first),
+        num_kv_heads=topology.num_kv_heads,
         head_dim=facts.head_size, num_layers=facts.num_layers, layout=topology.layout,
         block_size=facts.block_size, is_mla=facts.is_mla, fused_kv=fused,
     )
     return topology, compat
+
+
+def _compat_dtype(facts: EngineFacts, first: torch.Tensor) -> str:
+    """What P and D must agree on about the cache's bytes.
+
+    vLLM keeps every fp8 cache as ``uint8`` tensors: the tensor's dtype alone
+    would let an ``fp8_e4m3`` P pair with an ``fp8_e5m2`` D. A quantized
+    cache is named by vLLM's ``--kv-cache-dtype`` ("fp8" is "fp8_e4m3") and the
+    tensor dtype; its scales are the model's (per layer, from the checkpoint,
+    the same on P and D), so the bytes move as they are.
+    """
+    dtype = str(first.dtype).removeprefix("torch.")
+    if facts.cache_dtype == "auto":
+        return dtype
+    name = "fp8_e4m3" if facts.cache_dtype == "fp8" else facts.cache_dtype
+    return f"{name} ({dtype})"
+
+
+def _check_uniform(facts: EngineFacts, layers: list[torch.Tensor]) -> None:
+    """Every layer alike: kvbridge moves all layers of a block with one plan."""
+    first = layers[0]
+    for index, layer in enumerate(layers):
+        if layer.shape != first.shape or layer.dtype != first.dtype:
+            raise ConfigError(
+                f"vLLM KV cache of layer {index} is {tuple(layer.shape)} {layer.dtype}, layer 0 "
+                f"{tuple(first.shape)} {first.dtype}: kvbridge moves caches whose layers all "
+                f"have one shape and dtype (cache dtype {facts.cache_dtype!r}; "
+                f"kv_cache_dtype_skip_layers mixes dtypes: leave it empty)"
+            )
+
+
+def _check_latent(facts: EngineFacts, first: torch.Tensor) -> None:
+    if first.dim() != 3 or not first.is_contiguous() or first.shape[1] != facts.block_size:
+        raise ConfigError(
+            f"vLLM MLA cache {tuple(first.shape)} strides {first.stride()}: kvbridge moves MLA "
+            f"caches as contiguous [blocks, block_size {facts.block_size}, latent] (or "
+            f"[blocks, 1, block_size, latent]), one latent per token; this backend's "
+            f"cache is neither (an MLA backend with another cache shape cannot be moved)"
+        )
+
+
+def _check_fused(facts: EngineFacts, first: torch.Tensor) -> None:
+    heads = max(1, facts.num_kv_heads // facts.tp_size)
+    if (first.dim() == 4 and first.is_contiguous() and first.shape[1] == heads
+            and first.shape[2] == facts.block_size):
+        return
+    tokens_outer = first.dim() == 4 and first.transpose(1, 2).is_contiguous()
+    layout = "LBNHC" if tokens_outer else "not LBHNC"
+    env = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    advice = (f"VLLM_KV_CACHE_LAYOUT={env} chose it: unset it or set it to LBHNC"
+              if env not in (None, "", "LBHNC", "HND") else
+              "kvbridge moves the caches of vLLM's CPU attention backend (CPU_ATTN) in the "
+              "LBHNC layout it asks vLLM for; this cache comes from another backend or "
+              "layout, which kvbridge cannot move")
+    raise ConfigError(
+        f"vLLM KV cache {tuple(first.shape)} strides {first.stride()} in layout {layout}: "
+        f"kvbridge moves contiguous [blocks, {heads} heads, block_size {facts.block_size}, "
+        f"K+V] caches (layout LBHNC); {advice}"
+    )

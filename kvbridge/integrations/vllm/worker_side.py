@@ -35,7 +35,12 @@ import torch
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
-from kvbridge.integrations.vllm.facts import EngineFacts, cache_topology, unique_layer_caches
+from kvbridge.integrations.vllm.facts import (
+    EngineFacts,
+    cache_topology,
+    latent_views,
+    unique_layer_caches,
+)
 from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
 from kvbridge.integrations.vllm.settings import VllmSettings
 
@@ -77,7 +82,7 @@ class VllmWorkerSide:
         """
         if self._worker is not None:
             raise ConfigError("register_kv_caches called twice")
-        layers = unique_layer_caches(kv_caches)
+        layers = latent_views(self.facts, unique_layer_caches(kv_caches))
         topology, compat = cache_topology(self.facts, layers)
         settings = self.settings
         worker = ConnectorWorker(

@@ -49,20 +49,26 @@ def vllm_importable() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
-    """``factory(dtype="bfloat16", initializer_range=0.02, seed=0) -> model dir``, built once each.
+    """``factory(dtype="bfloat16", initializer_range=0.02, seed=0, kind="llama") -> model dir``.
 
-    Built by ``python -m kvbridge.integrations.vllm.tiny_model`` (a few seconds) so that
-    transformers stays out of this process.
+    Each built once, by ``python -m kvbridge.integrations.vllm.tiny_model`` (Llama)
+    or ``tiny_families --kind KIND`` (e.g. "mla": DeepSeek-V2) in a few seconds,
+    so that transformers stays out of this process.
     """
-    built: dict[tuple[str, float, int], Path] = {}
+    built: dict[tuple[str, float, int, str], Path] = {}
 
-    def factory(dtype: str = "bfloat16", initializer_range: float = 0.02, seed: int = 0) -> Path:
-        key = (dtype, initializer_range, seed)
+    def factory(dtype: str = "bfloat16", initializer_range: float = 0.02, seed: int = 0,
+                kind: str = "llama") -> Path:
+        key = (dtype, initializer_range, seed, kind)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"tiny-llama-{dtype}-{initializer_range}-{seed}")
+            name = "llama" if kind == "llama" else kind
+            out = tmp_path_factory.mktemp(f"tiny-{name}-{dtype}-{initializer_range}-{seed}")
+            module, kind_args = (("tiny_model", []) if kind == "llama"
+                                 else ("tiny_families", ["--kind", kind]))
             subprocess.run(
                 [
-                    sys.executable, "-m", "kvbridge.integrations.vllm.tiny_model", str(out),
+                    sys.executable, "-m", f"kvbridge.integrations.vllm.{module}", str(out),
+                    *kind_args,
                     "--dtype", dtype,
                     "--initializer-range", str(initializer_range),
                     "--seed", str(seed),

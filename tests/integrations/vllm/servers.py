@@ -93,6 +93,7 @@ class ServerSpec:
         model: Model folder (see ``kvbridge.integrations.vllm.tiny_model.build_tiny_llama``).
         dtype: ``--dtype``; "auto" follows the model's config.
         block_size: ``--block-size``; the CPU attention backend wants a multiple of 32.
+            None: vLLM's choice (MLA on CPU: 16, forced).
         tensor_parallel_size: >1 adds ``--distributed-executor-backend mp``.
         kv_transfer_config: JSON text for ``--kv-transfer-config``, or None.
         extra_args: Further command-line arguments, appended as given.
@@ -102,7 +103,7 @@ class ServerSpec:
 
     model: Path
     dtype: str = "auto"
-    block_size: int = 128
+    block_size: int | None = 128
     tensor_parallel_size: int = 1
     kv_transfer_config: str | None = None
     extra_args: tuple[str, ...] = ()
@@ -110,7 +111,7 @@ class ServerSpec:
     instance: str = ""
 
     def __post_init__(self) -> None:
-        if self.block_size % 32:
+        if self.block_size is not None and self.block_size % 32:
             raise ValueError(f"block_size {self.block_size} is not a multiple of 32")
         num_cpus = os.cpu_count() or 1
         if not 1 <= self.tensor_parallel_size <= num_cpus:
@@ -139,8 +140,9 @@ class ServerSpec:
             "--port", str(port),
             "--dtype", self.dtype,
             "--enforce-eager",
-            "--block-size", str(self.block_size),
         ]  # fmt: skip
+        if self.block_size is not None:
+            argv += ["--block-size", str(self.block_size)]
         if self.tensor_parallel_size > 1:
             argv += [
                 "--tensor-parallel-size", str(self.tensor_parallel_size),

@@ -1,0 +1,254 @@
+"""MLA (a tiny DeepSeek-V2, MoE) through KVBridgeConnector in real vLLM, homogeneous and mixed TP.
+
+vLLM keeps an MLA layer as one latent per token (``kv_lora_rank`` 512 +
+``qk_rope_head_dim`` 64 = 576 elements), ``[blocks, 1, 16, 576]`` on CPU,
+replicated on every TP rank. kvbridge moves it as it is: every D rank reads
+one replica of each block from one P rank.
+
+Three servers, each both P and D, float32 with wide logits: ``a`` and ``b`` at
+TP 1, ``t`` at TP 2. The reference is P's own colocated answer (a request
+without ``kv_transfer_params``).
+
+What vLLM on CPU does with MLA, and what the tests compare therefore:
+
+- vLLM turns prefix caching (and chunked prefill) off for MLA on CPU: D has no
+  local prefix hit, so a repeated prompt is loaded again, whole.
+- Its MLA decode path (weights absorbed into the query, the CPU decode
+  kernel) and its prefill path (SDPA over up-projected K and V) give
+  different logits for the same position on this random model, colocated
+  alone (``test_vllm_cpu_mla_decode_differs_from_prefill_colocated``). In the
+  classic flow D computes the prompt's last token with the decode path where
+  colocated vLLM used the prefill path, so no connector's classic-flow answer
+  equals colocated there. The first-token flow (``kvbridge proxy``'s) has D
+  compute P's token's position, with the decode path as colocated vLLM does:
+  those answers must equal colocated token for token. Classic-flow answers
+  are checked against D computing the same positions with the same paths:
+  D loads exactly what P's prefill wrote (byte counters, external hits) and
+  answers as a server given those bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integrations.vllm.client import complete
+from tests.integrations.vllm.conftest import TinyModelFactory
+from tests.integrations.vllm.pd import (
+    BYTES,
+    EXTERNAL_PREFIX_CACHE_HITS,
+    FAILURES,
+    TRANSFERS,
+    ZERO_CONFIG,
+    counters,
+    poll_metrics,
+    prefill,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+MLA_BLOCK_SIZE = 16  # what vLLM's CPU MLA kernel takes (vLLM sets it)
+NUM_LAYERS = 3
+LATENT_DIM = 576
+# per block, whole model: 3 layers x 16 slots x 576 latent x 4 bytes (float32)
+MLA_BLOCK_NBYTES = NUM_LAYERS * MLA_BLOCK_SIZE * LATENT_DIM * 4
+NUM_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("float32", initializer_range=0.2, kind="mla")
+
+
+def mla_spec(model: Path, tp: int, instance: str) -> ServerSpec:
+    return ServerSpec(model, dtype="float32", block_size=None, tensor_parallel_size=tp,
+                      kv_transfer_config=json.dumps(ZERO_CONFIG), instance=instance)
+
+
+def first_token_flow(p: VllmServer, d: VllmServer, prompt: list[int],
+                     max_tokens: int = NUM_NEW_TOKENS) -> tuple[list[int], dict[str, float]]:
+    """P's token then D's continuation (``kvbridge proxy``'s flow, by hand); D's counter moves."""
+    before = counters(d.base_url)
+    first = complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first.kv_transfer_params
+    assert params is not None and params.get("do_remote_prefill"), first.response
+    rest = complete(d.base_url, prompt + first.token_ids, max_tokens - 1,
+                    kv_transfer_params=params)
+    after = poll_metrics(d.base_url, lambda m: (
+        m.get(TRANSFERS, 0.0) + m.get(FAILURES, 0.0)
+        >= before[TRANSFERS] + before[FAILURES] + 1))
+    moved = {name: after.get(name, 0.0) - before[name] for name in before}
+    return first.token_ids + rest.token_ids, moved
+
+
+def num_blocks(num_tokens: int) -> int:
+    return -(-num_tokens // MLA_BLOCK_SIZE)
+
+
+@pytest.fixture
+def servers_a_b(vllm_servers: ServersForTest,
+                tiny_deepseek: Path) -> tuple[VllmServer, VllmServer]:
+    return (vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a")),
+            vllm_servers.shared(mla_spec(tiny_deepseek, 1, "b")))
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [5, MLA_BLOCK_SIZE, 300])
+def test_mla_first_token_flow_equals_colocated_and_moves_the_latents(
+    servers_a_b: tuple[VllmServer, VllmServer], num_prompt_tokens: int
+) -> None:
+    p, d = servers_a_b
+    prompt = prompt_ids(num_prompt_tokens, seed=40)
+    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+    tokens, moved = first_token_flow(p, d, prompt)
+    assert tokens == expected
+    assert (moved[TRANSFERS], moved[FAILURES]) == (1, 0)
+    assert moved[EXTERNAL_PREFIX_CACHE_HITS] == num_prompt_tokens  # the whole prompt
+    assert moved[BYTES] == num_blocks(num_prompt_tokens) * MLA_BLOCK_NBYTES
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_mla_classic_flow_loads_all_but_the_last_token_and_answers_as_d_computes(
+    servers_a_b: tuple[VllmServer, VllmServer],
+) -> None:
+    p, d = servers_a_b
+    for num_tokens in (MLA_BLOCK_SIZE + 1, 200):
+        prompt = prompt_ids(num_tokens, seed=41)
+        before = counters(d.base_url)
+        params = prefill(p.base_url, prompt)
+        done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+        after = poll_metrics(d.base_url,
+                             lambda m, n=before[TRANSFERS]: m.get(TRANSFERS, 0) > n)
+        assert after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS] == (
+            num_tokens - 1)
+        assert after[BYTES] - before[BYTES] == num_blocks(num_tokens - 1) * MLA_BLOCK_NBYTES
+        assert after[FAILURES] == before[FAILURES]
+        # A second P/D round of the same prompt gives the same answer: D's tokens are a
+        # function of the bytes it loaded (and vLLM has no prefix cache here: loaded again).
+        again = complete(d.base_url, prompt, NUM_NEW_TOKENS,
+                         kv_transfer_params=prefill(p.base_url, prompt))
+        assert again.token_ids == done.token_ids
+        assert counters(d.base_url)[BYTES] > after[BYTES]
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_mla_requests_at_once(servers_a_b: tuple[VllmServer, VllmServer]) -> None:
+    """D loads and decodes five requests at once.
+
+    P's prefills run one at a time: vLLM's CPU MLA prefill of several prompts
+    in one step does not give a lone prompt's first token (colocated as well).
+    """
+    p, d = servers_a_b
+    prompts = [prompt_ids(n, seed=50 + n) for n in (3, 16, 33, 120, 250)]
+    expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
+    prefills = [complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+                for prompt in prompts]
+    before = counters(d.base_url)
+    answers: dict[int, Any] = {}
+
+    def ask(index: int) -> None:
+        first = prefills[index]
+        try:
+            rest = complete(d.base_url, prompts[index] + first.token_ids, NUM_NEW_TOKENS - 1,
+                            kv_transfer_params=first.kv_transfer_params)
+            answers[index] = first.token_ids + rest.token_ids
+        except BaseException as exc:  # reported below
+            answers[index] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert answers == dict(enumerate(expected))
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 5)
+    assert after[BYTES] - before[BYTES] == sum(
+        num_blocks(len(prompt)) for prompt in prompts) * MLA_BLOCK_NBYTES
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_vllm_cpu_mla_decode_differs_from_prefill_colocated(
+    servers_a_b: tuple[VllmServer, VllmServer],
+) -> None:
+    """Why the classic flow is not compared with colocated answers (module docstring).
+
+    Colocated alone: the token after ``prompt + [t1]`` computed by the decode
+    path (a running request) and by the prefill path (a new request with t1 in
+    its prompt). If a later vLLM makes them agree, this test fails: then compare
+    the classic flow with colocated answers too.
+    """
+    p, _ = servers_a_b
+    prompt = prompt_ids(40, seed=3)
+    decoded = complete(p.base_url, prompt, 2, logprobs=1)
+    prefilled = complete(p.base_url, prompt + decoded.token_ids[:1], 1, logprobs=1)
+    decode_logprob = decoded.response["choices"][0]["logprobs"]["token_logprobs"][1]
+    prefill_logprob = prefilled.response["choices"][0]["logprobs"]["token_logprobs"][0]
+    assert abs(decode_logprob - prefill_logprob) > 1e-3
+
+
+def test_mla_with_p_and_d_of_different_tp_sizes(
+    vllm_servers: ServersForTest, tiny_deepseek: Path,
+) -> None:
+    tp1 = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
+    tp2 = vllm_servers.shared(mla_spec(tiny_deepseek, 2, "t"))
+    for num_tokens in (9, 100):
+        prompt = prompt_ids(num_tokens, seed=60)
+        expected = complete(tp2.base_url, prompt, NUM_NEW_TOKENS).token_ids
+        tokens, moved = first_token_flow(tp2, tp1, prompt)  # P TP 2 -> D TP 1
+        assert tokens == expected, "P TP 2 -> D TP 1"
+        # one replica read (from P rank 0; rank 1 only hears that D is done)
+        assert (moved[TRANSFERS], moved[FAILURES]) == (1, 0)
+        assert moved[BYTES] == num_blocks(num_tokens) * MLA_BLOCK_NBYTES
+
+        prompt = prompt_ids(num_tokens, seed=61)
+        expected = complete(tp1.base_url, prompt, NUM_NEW_TOKENS).token_ids
+        tokens, moved = first_token_flow(tp1, tp2, prompt)  # P TP 1 -> D TP 2
+        assert tokens == expected, "P TP 1 -> D TP 2"
+        poll_metrics(tp2.base_url, lambda m: m.get(TRANSFERS, 0) >= 2)
+        # each D rank holds the whole latent: each reads one replica
+        assert moved[FAILURES] == 0
+        for server in (tp1, tp2):
+            wait_usage(server.base_url)
+
+
+def test_mla_answers_of_tp_2_match_tp_1_colocated(
+    vllm_servers: ServersForTest, tiny_deepseek: Path,
+) -> None:
+    """The TP test's premise: float32 greedy tokens do not depend on the TP size here."""
+    tp1 = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
+    tp2 = vllm_servers.shared(mla_spec(tiny_deepseek, 2, "t"))
+    for seed in (60, 61):
+        prompt = prompt_ids(100, seed=seed)
+        assert (complete(tp1.base_url, prompt, NUM_NEW_TOKENS).token_ids
+                == complete(tp2.base_url, prompt, NUM_NEW_TOKENS).token_ids)
+
+
+def test_mla_p_refuses_a_dense_d(
+    vllm_servers: ServersForTest, tiny_deepseek: Path, tiny_llama_fp32: Path,
+) -> None:
+    """Params of an MLA P sent to a Llama D: refused at the handshake, the log names it."""
+    p = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
+    d = vllm_servers.shared(ServerSpec(tiny_llama_fp32, dtype="float32", block_size=128,
+                                       kv_transfer_config=json.dumps(ZERO_CONFIG)))
+    prompt = prompt_ids(40, seed=62)
+    params = prefill(p.base_url, prompt)
+    before = counters(d.base_url)
+    try:  # vLLM's default kv_load_failure_policy: fail the request, never answer it
+        done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+    except httpx.HTTPStatusError as exc:
+        assert exc.response.status_code >= 400
+    else:
+        assert done.finish_reason not in ("length", "stop"), done.response
+    poll_metrics(d.base_url, lambda m: m.get(FAILURES, 0) > before[FAILURES])
+    log = d.log_path.read_text(errors="replace")
+    assert "is_mla: local False != remote True" in log
