@@ -8,11 +8,16 @@ counts its readers with :func:`kvbridge.topology.targets.num_expected_readers`.
 
 Replication: when the remote side holds each head on several ranks (remote TP
 > KV heads, or MLA) and remote TP > local TP, several contacted remote ranks
-hold the same heads. The first of them is read (``read=True``); the others get
-a notify-only item (``read=False``) so they can count this reader and free::
+hold the same heads. Each byte is still read once, and the replicas share the
+work: the layers both sides hold are cut into contiguous runs, one per replica,
+so every replica serves a part and none is read twice. A replica left without
+a layer (more replicas than layers) gets a notify-only item (``read=False``),
+so that it can count this reader and free::
 
-    H=2, remote TP 8, local TP 2, local rank 0 needs [h0]:
-      remote 0 [h0] read   remote 1 [h0] notify   remote 2 [h0] notify   remote 3 [h0] notify
+    MLA, 6 layers, remote TP 2, local TP 1:
+      remote 0 layers [0, 3) read   remote 1 layers [3, 6) read
+    H=2, remote TP 8, local TP 2, 3 layers, local rank 0 needs [h0] (on remote 0..3):
+      remote 0 [0, 1)   remote 1 [1, 2)   remote 2 [2, 3)   remote 3 notify
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ _EMPTY = range(0)
 
 def _shift(r: range, by: int) -> range:
     return range(r.start - by, r.stop - by)
+
+
+def _layer_run(layers: range, index: int, count: int) -> range:
+    """Replica ``index`` of ``count``'s contiguous share of ``layers``; the last may be empty."""
+    num = len(layers)
+    return range(layers.start - (-index * num // count),
+                 layers.start - (-(index + 1) * num // count))
 
 
 def _coalesce(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -68,7 +80,9 @@ class RemoteRead:
         remote_heads: Heads to take, indexed within the remote rank's tensor.
         global_heads: The same heads as model-wide indices.
         local_head_offset: First local head index they land on.
-        global_layers: Layers both ranks hold (model-wide indices).
+        global_layers: Layers read from this rank (model-wide indices): those both
+            ranks hold, or a replica's share of them; for a notify-only item,
+            all those both hold.
         local_layers: Those layers as indices into the local rank's layers.
         remote_layers: Those layers as indices into the remote rank's layers.
         remote_num_heads: Heads in the remote rank's tensor (its slice length).
@@ -197,8 +211,8 @@ def build_read_plan(
 ) -> ReadPlan:
     """Plan the reads of local rank ``(tp_rank, pp_rank)`` from engine ``remote``.
 
-    Every head the local rank holds is read exactly once per shared layer run;
-    see the module docstring for the choice among replicated remote ranks.
+    Every head of every layer the local rank holds is read exactly once; replicas
+    share the layers (see the module docstring).
 
     Args:
         local: The reading engine.
@@ -218,21 +232,22 @@ def build_read_plan(
     my_heads, my_layers = local.heads_of(tp_rank), local.layers_of(pp_rank)
     items: list[RemoteRead] = []
     targets = target_remote_ranks(local, tp_rank, pp_rank, remote.tp_size, remote.pp_size)
+    # Replicas: contacted ranks of one PP rank holding the same wanted heads (slices
+    # are aligned, so wanted runs are equal or disjoint). Each reads a run of layers.
+    replicas: dict[tuple[int, range], list[int]] = {}
+    for target in targets:
+        wanted = intersect_ranges(remote.heads_of(target.tp_rank), my_heads)
+        assert wanted, f"remote {target} holds none of the local heads {my_heads}"
+        replicas.setdefault((target.pp_rank, wanted), []).append(target.tp_rank)
     for target in targets:
         remote_layers = remote.layers_of(target.pp_rank)
         shared_layers = intersect_ranges(my_layers, remote_layers)
         held = remote.heads_of(target.tp_rank)
         wanted = intersect_ranges(held, my_heads)
-        assert wanted, f"remote {target} holds none of the local heads {my_heads}"
-        # Head slices are aligned, so a wanted run was either fully read already
-        # from a replica at this PP rank, or not at all.
-        already = [
-            item.global_heads
-            for item in items
-            if item.read and item.remote_pp_rank == target.pp_rank
-        ]
-        read = wanted not in already
-        assert not read or all(not intersect_ranges(wanted, done) for done in already)
+        group = replicas[target.pp_rank, wanted]
+        part = _layer_run(shared_layers, group.index(target.tp_rank), len(group))
+        read = len(part) > 0
+        layers = part if read else shared_layers
         items.append(
             RemoteRead(
                 remote_rank=target.global_rank,
@@ -242,9 +257,9 @@ def build_read_plan(
                 remote_heads=_shift(wanted, held.start) if read else _EMPTY,
                 global_heads=wanted if read else _EMPTY,
                 local_head_offset=wanted.start - my_heads.start if read else 0,
-                global_layers=shared_layers,
-                local_layers=_shift(shared_layers, my_layers.start),
-                remote_layers=_shift(shared_layers, remote_layers.start),
+                global_layers=layers,
+                local_layers=_shift(layers, my_layers.start),
+                remote_layers=_shift(layers, remote_layers.start),
                 remote_num_heads=len(held),
                 remote_block_size=remote.block_size,
                 remote_layout=remote.layout,

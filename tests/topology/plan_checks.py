@@ -122,9 +122,19 @@ def _check_plan(plan: ReadPlan, reader: EngineTopology, server: EngineTopology) 
         _check_item_bytes(item)
     expected = {(layer, i): 1 for layer in my_layers for i in range(len(my_heads))}
     assert dict(landed) == expected, "every local head of every layer read exactly once"
-    server_replicates = server.is_mla or server.tp_size > server.num_kv_heads
-    needs_notify = server.tp_size > reader.tp_size and server_replicates
-    assert bool(plan.notify_only) == needs_notify
+    # Replicas (contacted ranks of one PP rank holding the same wanted heads) share
+    # the layers: each reads a run, evenly; only those left without one notify.
+    groups: dict[tuple[int, tuple[int, ...]], list[RemoteRead]] = {}
+    for item in plan.items:
+        wanted = tuple(sorted(set(server_heads[item.remote_tp_rank]) & set(my_heads)))
+        groups.setdefault((item.remote_pp_rank, wanted), []).append(item)
+    for (pp_rank, _), group in groups.items():
+        shared = set(my_layers) & set(server_layers[pp_rank])
+        readers = [item for item in group if item.read]
+        assert len(readers) == min(len(group), len(shared)), group
+        lengths = sorted(len(item.global_layers) for item in readers)
+        assert lengths[-1] - lengths[0] <= 1, "replicas share the layers evenly"
+        assert all(set(item.global_layers) == shared for item in group if not item.read)
 
 
 def check_pair(reader: EngineTopology, server: EngineTopology) -> None:

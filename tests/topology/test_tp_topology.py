@@ -125,26 +125,34 @@ def test_uneven_layers_span_two_remote_pp_ranks() -> None:
     assert [num_expected_readers(reader, server, 0, pp) for pp in range(4)] == [1, 2, 1, 1]
 
 
-def test_replicated_remote_gets_notify_only_items() -> None:
-    # H=2, remote TP 8 (each head on 4 ranks), local TP 2: local rank 0 needs h0,
-    # which remote ranks 0..3 all hold; one read, three notifications.
-    topo = TpKVTopology(engine(2, heads=2), 0, 0, {"p": engine(8, heads=2)})
+def test_replicas_share_the_layers_and_a_replica_without_one_only_notifies() -> None:
+    # H=2, remote TP 8 (each head on 4 ranks), local TP 2, 3 layers: local rank 0
+    # needs h0, which remote ranks 0..3 all hold; three read a layer each, one notifies.
+    topo = TpKVTopology(engine(2, heads=2, num_layers=3), 0, 0,
+                        {"p": engine(8, heads=2, num_layers=3)})
     plan = topo.plan_reads("p")
-    assert [(item.remote_tp_rank, item.read) for item in plan.items] == [
-        (0, True), (1, False), (2, False), (3, False),
+    assert [(item.remote_tp_rank, item.read, item.global_layers) for item in plan.items] == [
+        (0, True, range(0, 1)), (1, True, range(1, 2)), (2, True, range(2, 3)),
+        (3, False, range(0, 3)),
     ]  # fmt: skip
-    assert plan.reads == plan.items[:1] and plan.notify_only == plan.items[1:]
+    assert plan.reads == plan.items[:3] and plan.notify_only == plan.items[3:]
     assert plan.notify_only[0].block_byte_ranges(elem_size=2, head_dim=4) == []
-    as_server = TpKVTopology(engine(8, heads=2), 3, 0, {"d": engine(2, heads=2)})
+    as_server = TpKVTopology(engine(8, heads=2, num_layers=3), 3, 0,
+                             {"d": engine(2, heads=2, num_layers=3)})
     assert as_server.expected_readers("d") == 1
 
 
-@pytest.mark.parametrize(("reader_tp", "server_tp"), [(1, 4), (4, 2), (2, 2)])
-def test_mla_reads_the_latent_once(reader_tp: int, server_tp: int) -> None:
+@pytest.mark.parametrize(("reader_tp", "server_tp"), [(1, 4), (1, 2), (4, 2), (2, 2)])
+def test_mla_reads_the_latent_once_spread_over_the_replicas(reader_tp: int,
+                                                             server_tp: int) -> None:
     reader = engine(reader_tp, heads=1, mla=True, layout=KVLayout.NHD)
     server = engine(server_tp, heads=1, mla=True, layout=KVLayout.NHD)
     plan = TpKVTopology(reader, 0, 0, {"p": server}).plan_reads("p")
-    assert len(plan.reads) == 1 and len(plan.notify_only) == max(0, server_tp // reader_tp - 1)
+    num_replicas = max(1, server_tp // reader_tp)  # 4 layers: one run of layers each
+    assert len(plan.reads) == num_replicas and not plan.notify_only
+    assert [item.global_layers for item in plan.reads] == [
+        range(-(-i * 4 // num_replicas), -(-(i + 1) * 4 // num_replicas))
+        for i in range(num_replicas)]
     assert plan.reads[0].num_planes == 1
     assert plan.reads[0].block_byte_ranges(elem_size=2, head_dim=576) == [(0, 16 * 576 * 2)]
     assert num_expected_readers(reader, server, 0, 0) == max(1, reader_tp // server_tp)

@@ -86,7 +86,9 @@ def make_caches(spec: Spec) -> list[torch.Tensor]:
         shape = (2, spec.num_blocks, spec.block_size, heads, spec.head_dim)
     else:
         shape = (2, spec.num_blocks, heads, spec.block_size, spec.head_dim)
-    gen = torch.Generator().manual_seed(max(spec.seed, 0) * 1000 + spec.tp_rank)
+    # replicas (MLA, or more ranks than KV heads) hold the same bytes, as in an engine
+    key = topo.heads_of(spec.tp_rank).start if topo.replicates_kv_cache else spec.tp_rank
+    gen = torch.Generator().manual_seed(max(spec.seed, 0) * 1000 + key)
     if spec.fused:  # all layers views of one storage, as vLLM CPU allocates them
         full = (spec.num_layers, *shape)
         store = (torch.zeros(full, dtype=torch.bfloat16) if spec.seed < 0
