@@ -119,7 +119,8 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
 
         return vllm_bench.run(args.quick, args.lengths, args.requests,
                               [c for c in args.connectors.split(",") if c], args.model,
-                              args.out, args.kvbridge_extra, args.cores, progress)
+                              args.out, args.kvbridge_extra, args.cores, progress,
+                              args.model_kind)
     from benchmarks import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--model", default=None,
                       help="model folder (default: a random Llama, hidden 512, 8 layers, "
                            "built into a temp dir)")
+    vllm.add_argument("--model-kind", choices=["dense", "mla", "moe"], default="dense",
+                      help="model built when --model is not given: dense (Llama, default), "
+                           "mla (DeepSeek-V2), moe (Qwen3-MoE)")
     vllm.add_argument("--cores", choices=["split", "shared"], default="split",
                       help="split (default): P and colocated on core 0, D on core 1, one "
                            "thread each; shared: every server on every core")

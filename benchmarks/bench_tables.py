@@ -125,7 +125,8 @@ def vllm_table(report: dict[str, Any]) -> str:
     colocated = {r["prompt_tokens"]: r["ttft_ms"] for r in configs.get("colocated", {})
                  .get("rows", [])}
     headers = ["prompt tokens", "config", "TTFT ms", "x colocated", "P ms", "D ms",
-               "load ms/read", "reads", "MiB/req", "KV tokens/req", "D server TTFT ms",
+               "load ms/read", "reads", "MiB/req", "KV tokens/req", "B/KV token",
+               "D server TTFT ms",
                "classic flow"]
     rows = []
     for name, result in configs.items():
@@ -136,6 +137,7 @@ def vllm_table(report: dict[str, Any]) -> str:
                          r.get("prefill_ms"), r.get("decode_ms"), r.get("load_ms"),
                          None if "num_reads" not in r else int(r["num_reads"]),
                          r.get("mib_per_request"), r.get("loaded_tokens_per_request"),
+                         r.get("bytes_per_loaded_token"),
                          r.get("d_server_ttft_ms", r.get("colocated_server_ttft_ms")),
                          r.get("num_classic")])
     rows.sort(key=lambda row: (row[0], list(configs).index(row[1])))

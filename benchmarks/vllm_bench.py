@@ -96,6 +96,15 @@ _LOADED_TOKENS = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_tra
 _FINISHED = "vllm:request_success_total"
 
 BENCH_MODEL = {"hidden": 512, "layers": 8}  # ~12 MiB of bf16 KV for 1500 tokens
+#: ``--model-kind``: the model each family is benchmarked with (built at run time).
+#: dense: a Llama (GQA); mla: a DeepSeek-V2 (MLA latent 576, MoE; vLLM on CPU forces
+#: block size 16 and turns prefix caching off); moe: a Qwen3-MoE (dense GQA).
+MODEL_KINDS = ("dense", "mla", "moe")
+MODEL_LABELS = {
+    "dense": f"random Llama, hidden {BENCH_MODEL['hidden']}, {BENCH_MODEL['layers']} layers",
+    "mla": "random DeepSeek-V2 (MLA, MoE), hidden 192, 8 layers",
+    "moe": "random Qwen3-MoE, hidden 192, 8 layers",
+}
 D_MAX_TOKENS = 4  # D streams a few tokens; the first one stops the clock
 FULL = {"lengths": [64, 256, 512, 1024, 1500], "requests": 10, "warmup": 2, "idle_s": 10.0}
 QUICK = {"lengths": [64, 512], "requests": 2, "warmup": 1, "idle_s": 3.0}
@@ -105,10 +114,20 @@ class BenchError(RuntimeError):
     """A server answered with an error or broke a promise of the protocol."""
 
 
-def build_model(out_dir: Path) -> Path:
-    """Write the benchmark's random Llama (``BENCH_MODEL``) into ``out_dir``."""
-    argv = [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_model", str(out_dir),
-            "--hidden", str(BENCH_MODEL["hidden"]), "--layers", str(BENCH_MODEL["layers"])]
+def build_model(out_dir: Path, kind: str = "dense") -> Path:
+    """Write the benchmark's random model of ``kind`` (``MODEL_KINDS``) into ``out_dir``.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind == "dense":
+        argv = [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_model", str(out_dir),
+                "--hidden", str(BENCH_MODEL["hidden"]), "--layers", str(BENCH_MODEL["layers"])]
+    elif kind in MODEL_KINDS:
+        argv = [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_families", str(out_dir),
+                "--kind", kind, "--dtype", "bfloat16", "--layers", str(BENCH_MODEL["layers"])]
+    else:
+        raise ValueError(f"model kind {kind!r}: expected one of {MODEL_KINDS}")
     subprocess.run(argv, check=True, capture_output=True)
     return out_dir
 
@@ -123,9 +142,14 @@ def model_shape(model: Path) -> dict[str, Any]:
         raise ValueError(f"{model} has no config.json: not a model folder")
     config = json.loads((model / "config.json").read_text())
     num_heads = config["num_attention_heads"]
+    num_layers = config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # MLA: one latent per token and layer, no K/V heads
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return {"hidden": config["hidden_size"], "layers": num_layers, "kv_heads": 1,
+                "head_dim": latent, "vocab_size": config["vocab_size"], "mla": True,
+                "kv_bytes_per_token": num_layers * latent * 2}
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     num_kv_heads = config.get("num_key_value_heads", num_heads)
-    num_layers = config["num_hidden_layers"]
     return {"hidden": config["hidden_size"], "layers": num_layers, "kv_heads": num_kv_heads,
             "head_dim": head_dim, "vocab_size": config["vocab_size"],
             "kv_bytes_per_token": 2 * num_layers * num_kv_heads * head_dim * 2}
@@ -262,6 +286,9 @@ def _row(name: str, length: int, times: list[dict[str, float]], servers: list[Vl
         row["num_failures"] = total(d_after, failures) - total(d_before, failures)
         row["loaded_tokens_per_request"] = (total(d_after, *_LOADED_TOKENS)
                                             - total(d_before, *_LOADED_TOKENS)) / len(times)
+        loaded = row["loaded_tokens_per_request"]
+        row["bytes_per_loaded_token"] = (row["mib_per_request"] * (1 << 20) / loaded
+                                         if loaded else None)
     return row
 
 
@@ -340,7 +367,8 @@ def run_config(name: str, model: Path, plan: dict[str, Any], log_dir: Path,
 def run(quick: bool, lengths: list[int] | None = None, requests: int | None = None,
         connectors: list[str] | None = None, model: str | None = None,
         out: str = "bench-out", kvbridge_extra: dict[str, Any] | None = None,
-        cores: str = "split", progress: Progress | None = None) -> dict[str, Any]:
+        cores: str = "split", progress: Progress | None = None,
+        model_kind: str = "dense") -> dict[str, Any]:
     """Run every configuration in ``connectors`` one after another; the report.
 
     Args:
@@ -354,10 +382,11 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
         cores: "split": P (and colocated) on core 0, D on core 1, one OpenMP
             thread each, as if each instance had a device of its own;
             "shared": every server on every core (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
+        model_kind: the model built when ``model`` is not given (``MODEL_KINDS``).
 
     Raises:
-        ValueError: an unknown connector name or ``cores`` value, "split" on
-            fewer than 2 cores, or a ``model`` that is not a model folder.
+        ValueError: an unknown connector name, ``cores`` value or model kind,
+            "split" on fewer than 2 cores, or a ``model`` that is not a model folder.
     """
     connectors = connectors or ["colocated", "kvbridge", "kvbridge-classic", "nixl"]
     unknown = set(connectors) - set(CONNECTORS)
@@ -375,13 +404,13 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
     plan["cores"] = cores
     progress = progress or (lambda _label, _done, _total: None)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-model-") as tmp:
-        model_dir = Path(model) if model else build_model(Path(tmp) / "model")
+        model_dir = Path(model) if model else build_model(Path(tmp) / "model", model_kind)
         shape = model_shape(model_dir)
         plan["prompt_vocab"] = text_token_ids(model_dir, shape["vocab_size"])
         settings = {**{k: v for k, v in plan.items() if k != "prompt_vocab"},
                     "num_prompt_vocab": len(plan["prompt_vocab"]), "model": str(model) if model else
-                    f"random Llama, hidden {BENCH_MODEL['hidden']}, {BENCH_MODEL['layers']} "
-                    f"layers (built)", "shape": shape, "d_max_tokens": D_MAX_TOKENS,
+                    f"{MODEL_LABELS[model_kind]} (built)", "model_kind": model_kind,
+                    "shape": shape, "d_max_tokens": D_MAX_TOKENS,
                     "connectors": connectors}
         num_steps, done = len(connectors) * len(plan["lengths"]), []
 
