@@ -3,10 +3,14 @@
 Beside ``tiny_model`` (dense GQA Llama), for the vLLM tests and ``kvbridge bench
 vllm --model-kind``:
 
-- ``mla``: a DeepSeek-V2 (multi-head latent attention and MoE). vLLM's CPU MLA
-  kernel takes only DeepSeek's latent: ``kv_lora_rank`` 512 + ``qk_rope_head_dim``
-  64 (576 elements per token and layer); vLLM sets block size 16 for it and
-  turns off prefix caching and chunked prefill on CPU. The rest is tiny.
+- ``mla``: a DeepSeek-V2 (multi-head latent attention, dense MLPs). vLLM's CPU
+  MLA kernel takes only DeepSeek's latent: ``kv_lora_rank`` 512 +
+  ``qk_rope_head_dim`` 64 (576 elements per token and layer); vLLM sets block
+  size 16 for it and turns off prefix caching and chunked prefill on CPU. The
+  rest is tiny. Its MLPs are dense: with random weights, a router's near ties
+  flip experts on the last bit of a float, so the same position computed by
+  vLLM's decode and prefill paths, at TP 1 and 2 or alone and batched, could
+  pick other tokens (measured: 5 of 9 prompts at ``initializer_range`` 0.05).
 - ``moe``: a Qwen3-MoE (dense GQA attention, 4 experts of which 2 per token).
 
 Same tokenizer as ``tiny_model`` and the same promise: everything is a function
@@ -65,10 +69,12 @@ def build_tiny_family(
         out_dir: Folder to write (created if missing; files in it are replaced).
         kind: ``"mla"`` (DeepSeek-V2) or ``"moe"`` (Qwen3-MoE).
         dtype: Weight dtype stored and named in ``config.json``.
-        initializer_range: Standard deviation of the random weights (0.2 spreads
-            the logits so greedy picks survive TP's different reduction order).
+        initializer_range: Standard deviation of the random weights. For the MLA
+            model keep 0.02: wider weights make its float32 answers depend on the
+            order of sums (decode against prefill path, TP 1 against 2).
         seed: Seeds the weights and the tokenizer's corpus; same seed, same files.
-        num_layers: Decoder layers (the first is dense, the others MoE).
+        num_layers: Decoder layers (MoE from the second on for ``moe``; all dense for
+            ``mla``).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -99,8 +105,8 @@ def build_tiny_family(
             **common, num_key_value_heads=4, kv_lora_rank=KV_LORA_RANK, q_lora_rank=None,
             qk_rope_head_dim=QK_ROPE_HEAD_DIM, qk_nope_head_dim=32, v_head_dim=32,
             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-            moe_intermediate_size=64, first_k_dense_replace=1, topk_method="greedy", n_group=1,
-            topk_group=1,
+            moe_intermediate_size=64, first_k_dense_replace=num_layers, topk_method="greedy",
+            n_group=1, topk_group=1,
         )
         model_cls = DeepseekV2ForCausalLM
     elif kind == "moe":

@@ -1,0 +1,49 @@
+"""MoE with dense GQA attention (a tiny Qwen3-MoE) through KVBridgeConnector in real vLLM.
+
+The experts change nothing for the connector (the attention cache is a dense
+one); this checks that once, cheaply: a P and a D at TP 1, float32, classic
+flow, P's own colocated answer as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.client import complete
+from tests.integrations.vllm.conftest import TinyModelFactory
+from tests.integrations.vllm.pd import (
+    BLOCK_SIZE,
+    NUM_NEW_TOKENS,
+    ZERO_CONFIG,
+    pd_complete,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# per block on D: 3 layers x 2 KV heads x 128 slots x (K+V of 48) x 4 bytes
+MOE_BLOCK_NBYTES = 3 * 2 * BLOCK_SIZE * 96 * 4
+
+
+def test_moe_pd_answers_equal_colocated(
+    vllm_servers: ServersForTest, tiny_model_factory: TinyModelFactory,
+) -> None:
+    model: Path = tiny_model_factory("float32", initializer_range=0.2, kind="moe")
+    p, d = (vllm_servers.private(ServerSpec(
+        model, dtype="float32", block_size=BLOCK_SIZE,
+        kv_transfer_config=json.dumps(ZERO_CONFIG), instance=name)) for name in ("p", "d"))
+    for num_tokens in (5, BLOCK_SIZE, 700):
+        prompt = prompt_ids(num_tokens, seed=80)
+        expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+        result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
+        assert result.completion.token_ids == expected
+        assert (result.num_transfers, result.num_failures) == (1, 0)
+        assert result.external_hits == num_tokens - 1
+        assert result.nbytes == -(-(num_tokens - 1) // BLOCK_SIZE) * MOE_BLOCK_NBYTES
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
