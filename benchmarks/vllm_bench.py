@@ -97,12 +97,12 @@ _FINISHED = "vllm:request_success_total"
 
 BENCH_MODEL = {"hidden": 512, "layers": 8}  # ~12 MiB of bf16 KV for 1500 tokens
 #: ``--model-kind``: the model each family is benchmarked with (built at run time).
-#: dense: a Llama (GQA); mla: a DeepSeek-V2 (MLA latent 576, MoE; vLLM on CPU forces
+#: dense: a Llama (GQA); mla: a DeepSeek-V2 (MLA latent 576, dense MLPs; vLLM on CPU forces
 #: block size 16 and turns prefix caching off); moe: a Qwen3-MoE (dense GQA).
 MODEL_KINDS = ("dense", "mla", "moe")
 MODEL_LABELS = {
     "dense": f"random Llama, hidden {BENCH_MODEL['hidden']}, {BENCH_MODEL['layers']} layers",
-    "mla": "random DeepSeek-V2 (MLA, MoE), hidden 192, 8 layers",
+    "mla": "random DeepSeek-V2 (MLA, dense MLPs), hidden 192, 8 layers",
     "moe": "random Qwen3-MoE, hidden 192, 8 layers",
 }
 D_MAX_TOKENS = 4  # D streams a few tokens; the first one stops the clock
