@@ -85,7 +85,10 @@ def engine_facts(vllm_config: Any, model_id: str | None = None) -> EngineFacts:
     """
     kv_config = vllm_config.kv_transfer_config
     if kv_config is None:
-        raise ConfigError("vLLM config has no kv_transfer_config")
+        raise ConfigError(
+            "vLLM config has no kv_transfer_config: start vLLM with --kv-transfer-config "
+            "'{\"kv_connector\":\"KVBridgeConnector\",\"kv_connector_module_path\":"
+            "\"kvbridge.integrations.vllm\",\"kv_role\":\"kv_both\"}'")
     role = _ROLES.get(kv_config.kv_role)
     if role is None:
         raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {kv_config.kv_role!r}")
@@ -169,7 +172,9 @@ def cache_topology(
             names the shape, the layout and what to change.
     """
     if not layers:
-        raise ConfigError("vLLM registered no KV cache tensors")
+        raise ConfigError("vLLM registered no KV cache tensors (an attention-free model, or "
+                          "a cache kvbridge cannot see): nothing to move; run it without "
+                          "--kv-transfer-config")
     first = layers[0]
     _check_uniform(facts, layers)
     if facts.is_mla:
@@ -221,8 +226,10 @@ def _check_latent(facts: EngineFacts, first: torch.Tensor) -> None:
         raise ConfigError(
             f"vLLM MLA cache {tuple(first.shape)} strides {first.stride()}: kvbridge moves MLA "
             f"caches as contiguous [blocks, block_size {facts.block_size}, latent] (or "
-            f"[blocks, 1, block_size, latent]), one latent per token; this backend's "
-            f"cache is neither (an MLA backend with another cache shape cannot be moved)"
+            f"[blocks, 1, block_size, latent]), one latent per token; this attention "
+            f"backend's cache is neither. Use one that keeps such a cache (vLLM's CPU_MLA on "
+            f"CPU; its dense MLA backends on GPU): sparse or compressed MLA caches "
+            f"(DeepSeek-V3.2/V4 indexers) cannot be moved"
         )
 
 

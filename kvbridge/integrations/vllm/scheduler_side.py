@@ -101,12 +101,16 @@ class VllmSchedulerSide:
         ports: dict[int, int] = {}
         for address in addresses.values():
             if not isinstance(address, WorkerAddress):
-                raise ConfigError(f"handshake metadata {address!r} is not a kvbridge address")
+                raise ConfigError(
+                    f"handshake metadata {address!r} is not a kvbridge address: every worker "
+                    f"of this engine must run KVBridgeConnector (kvbridge wrapped with another "
+                    f"connector, e.g. in MultiConnector, is not supported)")
             ports[address.global_rank] = address.port
         world_size = self.facts.tp_size * self.facts.pp_size
         if sorted(ports) != list(range(world_size)):
             raise ConfigError(f"handshake: addresses of ranks {sorted(ports)}, expected "
-                              f"0..{world_size - 1}")
+                              f"0..{world_size - 1}: a worker did not start its transfer agent "
+                              f"(its log says why)")
         if self.settings.base_port == 0:
             self._scheduler.set_worker_ports([ports[rank] for rank in range(world_size)])
 
