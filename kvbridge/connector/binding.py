@@ -35,18 +35,24 @@ __all__ = ["KV_DIGEST_NBYTES", "kv_digest"]
 
 KV_DIGEST_NBYTES = 32
 _DOMAIN = b"kvbridge-grant-kv-v1\0"
+_GROUPS = b"\0groups:\0"  # 9 bytes: a grouped digest never hashes as a plain one
 
 
-def kv_digest(token_ids: Sequence[int], block_ids: Sequence[int]) -> bytes:
+def kv_digest(token_ids: Sequence[int], block_ids: Sequence[int],
+              groups: Sequence[tuple[int, int]] = ()) -> bytes:
     """Digest of "these prompt tokens' KV, in these P blocks, in this order".
 
     Args:
         token_ids: the prompt tokens whose KV the grant holds (from token 0).
-        block_ids: P's blocks holding them, in token order.
+        block_ids: P's blocks holding them, in token order (group after group).
+        groups: with several KV cache groups, each group's ``(first block
+            index, number of blocks)`` (``KVTransferParams.remote_groups``):
+            the same blocks in other positions or groups are another digest.
 
     Returns:
         ``KV_DIGEST_NBYTES`` bytes: sha256 over a domain prefix, the fixed-size
-        ``prompt_digest(token_ids)`` and the block ids as int64 little endian.
+        ``prompt_digest(token_ids)``, the block ids as int64 little endian and,
+        if ``groups`` is given, its numbers after a separator.
 
     Raises:
         ValueError: a token id outside int64 or a block id outside ``[0, 2**63)``.
@@ -58,4 +64,12 @@ def kv_digest(token_ids: Sequence[int], block_ids: Sequence[int]) -> bytes:
         packed = np.asarray(list(block_ids), dtype="<i8").tobytes()
     except OverflowError as exc:
         raise ValueError(f"block ids must fit int64: {exc}") from None
+    if groups:
+        spans = [n for span in groups for n in span]
+        if any(n < 0 for n in spans):
+            raise ValueError(f"group spans must be >= 0, got {list(groups)}")
+        try:
+            packed += _GROUPS + np.asarray(spans, dtype="<i8").tobytes()
+        except OverflowError as exc:
+            raise ValueError(f"group spans must fit int64: {exc}") from None
     return hashlib.sha256(_DOMAIN + prompt_digest(token_ids) + packed).digest()

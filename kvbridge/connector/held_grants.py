@@ -13,6 +13,11 @@ lease ended, or the grant was revoked (:meth:`HeldGrants.revoke`)::
 Each grant is bound to the prompt tokens it holds and to their blocks
 (``binding.py``): P issues it with the digest of its prompt, and the transfer
 agent refuses a read whose digest differs.
+
+With several KV cache groups the request's blocks come per group, and P
+holds of each what a reader may need (``kvbridge.topology.groups``: every
+block of a full-attention group, the window's blocks, the state block), all
+under one grant; the params say where each group's run sits.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.metadata import SendRequest
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.request import ConnectorRequest
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import CacheGroup, EngineTopology, hold_groups
 
 __all__ = ["HeldGrants"]
 
@@ -44,15 +49,20 @@ class HeldGrants:
         block_size: tokens per block.
         lease_s: how long blocks are held for readers.
         clock: wall clock (epoch seconds) for ``expires_at``.
+        groups: the engine's KV cache groups (None: one group of every block).
+        null_block_id: the engine's placeholder block in a group's list, if any.
     """
 
     def __init__(
         self, engine_id: str, host: str, base_port: int, topology: EngineTopology,
         block_size: int, *, lease_s: float, clock: Callable[[], float],
+        groups: Sequence[CacheGroup] | None = None, null_block_id: int | None = None,
     ) -> None:
         self.engine_id, self.host, self.base_port = engine_id, host, base_port
         self.topology, self.block_size, self.lease_s = topology, block_size, lease_s
         self._clock = clock
+        self.groups = tuple(groups) if groups is not None else None
+        self.null_block_id = null_block_id
         self._ports: list[int] = []  # per global rank, when base_port is 0
         self._held: dict[str, int] = {}  # request -> blocks held for readers
         self._to_send: list[SendRequest] = []
@@ -64,12 +74,14 @@ class HeldGrants:
         """Where each worker's transfer agent listens (index: global rank; the caller checks)."""
         self._ports = list(ports)
 
-    def hold(self, request: ConnectorRequest, block_ids: list[int]) -> KVTransferParams | None:
+    def hold(self, request: ConnectorRequest,
+             block_ids: list[int] | tuple[list[int], ...]) -> KVTransferParams | None:
         """Hold a finished prefill's blocks for readers under a new grant.
 
         Args:
             request: a finished ``do_remote_decode`` request.
-            block_ids: its blocks in token order (one group).
+            block_ids: its blocks in token order: a list (one group), or a
+                tuple of one list per KV cache group (the engine's ``groups``).
 
         Returns:
             The params D reads with (the blocks stay held until ``release``), or
@@ -77,18 +89,41 @@ class HeldGrants:
             blocks that cannot be bound to the prompt.
         """
         request_id = request.request_id
-        num_tokens = min(request.num_prompt_tokens, len(block_ids) * self.block_size)
+        groups: tuple[list[int], ...] = (
+            block_ids if isinstance(block_ids, tuple) else (block_ids,))
+        num_tokens = min(request.num_prompt_tokens,
+                         max(len(ids) for ids in groups) * self.block_size)
         if num_tokens < 2:  # D recomputes the last prompt token anyway: nothing to read
             return None
         if not (self.base_port or self._ports):
             logger.warning("request %r: the workers' ports are not known yet; not serving "
                            "its KV", request_id)
             return None
-        held = block_ids[: math.ceil(num_tokens / self.block_size)]
+        spans: list[tuple[int, int]] = []
+        if self.groups is None:
+            if len(groups) != 1:
+                logger.warning("request %r: %d KV cache groups on an engine configured "
+                               "for one; not serving its KV", request_id, len(groups))
+                return None
+            held = groups[0][: math.ceil(num_tokens / self.block_size)]
+        else:
+            try:
+                if any(g.kind == "state" for g in self.groups) and (
+                        request.num_computed_tokens != num_tokens):
+                    raise ValueError(
+                        f"its recurrent state is the state after {request.num_computed_tokens}"
+                        f" tokens, not after the {num_tokens} of its prompt (ask P for "
+                        f"max_tokens 1)")
+                both = hold_groups(self.groups, groups, num_tokens, self.block_size,
+                                   self.null_block_id)
+            except ValueError as exc:
+                logger.warning("request %r: cannot serve its KV: %s", request_id, exc)
+                return None
+            held, spans = both.block_ids, both.spans
         try:
             # binds the grant to these tokens in these blocks (binding.py): D sends
             # the digest of its own prompt and P's reads are refused unless it is equal
-            digest = kv_digest(request.prompt_token_ids[:num_tokens], held)
+            digest = kv_digest(request.prompt_token_ids[:num_tokens], held, spans)
         except ValueError as exc:
             logger.warning("request %r: cannot serve its KV: %s", request_id, exc)
             return None
@@ -105,6 +140,7 @@ class HeldGrants:
             remote_ports=list(self._ports), remote_block_ids=held, remote_tp_size=topo.tp_size,
             remote_pp_size=topo.pp_size, remote_block_size=self.block_size,
             remote_num_tokens=num_tokens, grant=grant, expires_at=self._clock() + self.lease_s,
+            remote_groups=spans,
         )
 
     def revoke(self, request_id: str) -> bool:

@@ -33,13 +33,21 @@ a load starting inside a P block reads that P block and skips its first tokens
 on arrival. Every request is loaded at most once and a loaded request is never
 served onward (no transfer loops). D reads with the digest of its own prompt
 (``binding.py``): P refuses a read for another prompt's KV, and D recomputes.
+
+Several KV cache groups (``groups``: sliding-window or recurrent-state layers
+beside full attention): each group moves what ``kvbridge.topology.groups``
+says (a window's blocks, the state after ``end`` tokens), all groups in one
+read of block pairs, block sizes equal on both sides. A load that could not
+be exact (P's state is for another token count, P freed a block of the window
+D needs, TP sizes differ under a state) is not made: the request prefills
+locally and a log line names the reason.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +56,7 @@ from kvbridge.connector.metadata import NotifyRequest, RecvRequest
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.errors import ConfigError
+from kvbridge.topology.groups import CacheGroup, load_problem, plan_group_read
 
 __all__ = ["LoadState", "RemoteLoads"]
 
@@ -70,9 +79,11 @@ class _Load:
     invalid_block_ids: set[int] = field(default_factory=set)
 
     def written_block_ids(self, block_size: int) -> list[int]:
-        assert self.recv is not None
-        end_block = math.ceil(self.recv.end_token / block_size)
-        return self.recv.local_block_ids[self.first_token // block_size : end_block]
+        recv = self.recv
+        assert recv is not None
+        end_block = math.ceil(recv.end_token / block_size)
+        return (recv.local_block_ids[recv.first_token // block_size : end_block]
+                + recv.missing_block_ids)
 
 
 class RemoteLoads:
@@ -83,12 +94,22 @@ class RemoteLoads:
         may_load: False on a prefill-only engine: every load is refused (the
             request prefills locally and its grant is given back).
         clock: wall clock (epoch seconds), compared with a grant's ``expires_at``.
+        groups: this engine's KV cache groups; None (or one ``tokens`` group):
+            one group, every block from token 0.
+        null_block_id: the engine's placeholder block in a group's list (never
+            written), if it has one.
+        tp_size: this engine's TP size (a recurrent state is not split otherwise).
     """
 
-    def __init__(self, block_size: int, *, may_load: bool, clock: Callable[[], float]) -> None:
+    def __init__(self, block_size: int, *, may_load: bool, clock: Callable[[], float],
+                 groups: Sequence[CacheGroup] | None = None, null_block_id: int | None = None,
+                 tp_size: int = 1) -> None:
         self.block_size = block_size
         self.may_load = may_load
         self._clock = clock
+        one_group = groups is None or (len(groups) == 1 and groups[0].kind == "tokens")
+        self.groups: tuple[CacheGroup, ...] | None = None if one_group else tuple(groups or ())
+        self.null_block_id, self.tp_size = null_block_id, tp_size
         self._planned: dict[str, _Load] = {}  # asked, blocks not allocated yet
         self._loads: dict[str, _Load] = {}  # allocated, until the workers finish
         self._block_owner: dict[int, str] = {}  # written block id -> loading request
@@ -132,16 +153,39 @@ class RemoteLoads:
                         "locally", request_id, start, self.block_size)
             self._give_back(request_id, params, ok=True)
             return 0, False
+        if self.groups is not None:
+            problem = self._group_problem(params, start, end)
+            if problem is not None:
+                logger.warning("request %r: cannot load its KV exactly: %s; prefilling "
+                               "locally", request_id, problem)
+                self._give_back(request_id, params, ok=True)
+                return 0, False
         try:
             # D's own prompt, not P's: P refuses the read unless they are the same
             digest = kv_digest(request.prompt_token_ids[: params.remote_num_tokens],
-                               params.remote_block_ids)
+                               params.remote_block_ids, params.remote_groups)
         except ValueError as exc:
             logger.warning("request %r: %s; prefilling locally", request_id, exc)
             self._give_back(request_id, params, ok=False)
             return 0, False
         self._planned[request_id] = _Load(params, start, end - start, digest)
         return end - start, True
+
+    def _group_problem(self, params: KVTransferParams, start: int, end: int) -> str | None:
+        """Why a load of ``[start, end)`` over several groups would not be exact, or None."""
+        assert self.groups is not None
+        if params.remote_block_size != self.block_size:
+            return (f"P's block size {params.remote_block_size} != this engine's "
+                    f"{self.block_size}: a model with several KV cache groups moves whole "
+                    f"blocks (set the same --block-size on P and D)")
+        has_state = any(group.kind == "state" for group in self.groups)
+        if has_state and params.remote_tp_size != self.tp_size:
+            return (f"a linear-attention / Mamba state is split over TP ranks: P's TP "
+                    f"{params.remote_tp_size} != this engine's {self.tp_size} (use the same "
+                    f"--tensor-parallel-size on P and D)")
+        spans = params.remote_groups or [(0, len(params.remote_block_ids))]
+        return load_problem(self.groups, spans, start, end, params.remote_num_tokens,
+                            self.block_size)
 
     def record_allocation(
         self, request: ConnectorRequest, blocks: BlockIds, num_external_tokens: int
@@ -158,12 +202,13 @@ class RemoteLoads:
             return
         block_groups = blocks.get_block_ids()
         num_needed = math.ceil((load.first_token + num_external_tokens) / self.block_size)
-        if (num_external_tokens > load.num_tokens or len(block_groups) != 1
-                or len(block_groups[0]) < num_needed):
+        num_groups = 1 if self.groups is None else len(self.groups)
+        if (num_external_tokens > load.num_tokens or len(block_groups) != num_groups
+                or (self.groups is None and len(block_groups[0]) < num_needed)):
             raise ConfigError(
                 f"request {request_id!r}: {num_external_tokens} external tokens (planned "
                 f"{load.num_tokens}) from token {load.first_token} need {num_needed} blocks in "
-                f"1 group, got {[len(group) for group in block_groups]}"
+                f"{num_groups} groups, got {[len(group) for group in block_groups]}"
             )
         del self._planned[request_id]
         self._consumed.add(request_id)
@@ -174,19 +219,53 @@ class RemoteLoads:
         assert p.remote_engine_id and p.remote_host and p.remote_port and p.grant
         assert p.remote_block_size is not None
         load.num_tokens = num_external_tokens
+        if self.groups is None:
+            local_ids, first_token, num_tokens = (block_groups[0][:num_needed],
+                                                  load.first_token, num_external_tokens)
+            remote_ids, missing = list(p.remote_block_ids), list[int]()
+        else:
+            remote_ids, local_ids, missing = self._group_read(
+                request_id, p, block_groups, load.first_token,
+                load.first_token + num_external_tokens)
+            first_token, num_tokens = 0, len(local_ids) * self.block_size
         load.recv = RecvRequest(
-            request_id=request_id, local_block_ids=block_groups[0][:num_needed],
-            first_token=load.first_token, num_tokens=num_external_tokens,
+            request_id=request_id, local_block_ids=local_ids,
+            first_token=first_token, num_tokens=num_tokens,
             remote_engine_id=p.remote_engine_id, remote_host=p.remote_host,
             remote_port=p.remote_port, remote_ports=list(p.remote_ports),
             remote_tp_size=p.remote_tp_size,
             remote_pp_size=p.remote_pp_size, remote_block_size=p.remote_block_size,
-            remote_block_ids=list(p.remote_block_ids), grant=p.grant,
-            kv_digest=load.kv_digest,
+            remote_block_ids=remote_ids, grant=p.grant,
+            kv_digest=load.kv_digest, missing_block_ids=missing,
         )
         self._loads[request_id] = load
         for block_id in load.written_block_ids(self.block_size):
             self._block_owner[block_id] = request_id
+
+    def _group_read(self, request_id: str, params: KVTransferParams,
+                    block_groups: Sequence[Sequence[int]], first_token: int, end: int
+                    ) -> tuple[list[int], list[int], list[int]]:
+        """``(remote ids, local ids, missing local ids)`` of a load over several groups.
+
+        A load whose blocks do not fit what was planned reads nothing: every
+        block it would have written is reported missing (the load fails).
+        """
+        assert self.groups is not None
+        spans = params.remote_groups or [(0, len(params.remote_block_ids))]
+        try:
+            read = plan_group_read(self.groups, block_groups, spans, params.remote_block_ids,
+                                   first_token, end, self.block_size, self.null_block_id)
+        except ValueError as exc:
+            logger.error("request %r: cannot read its KV cache groups: %s", request_id, exc)
+            first_block, end_block = (first_token // self.block_size,
+                                      math.ceil(end / self.block_size))
+            failed = [block_id for ids in block_groups for block_id in ids[first_block:end_block]
+                      if block_id != self.null_block_id]
+            return [], [], failed
+        if read.missing:
+            logger.warning("request %r: P does not hold %d blocks this engine allocated; its "
+                           "load will count as failed", request_id, len(read.missing))
+        return read.remote_block_ids, read.local_block_ids, read.missing
 
     def dispatch(self) -> tuple[list[RecvRequest], list[NotifyRequest]]:
         """This step's work for the workers: new loads and give-back notices (then cleared)."""
@@ -301,6 +380,13 @@ class RemoteLoads:
         if load is None:
             return None
         return "dispatched" if load.dispatched else "allocated"
+
+    def written_block_ids(self, request_id: str) -> list[int]:
+        """The local blocks an allocated load writes (empty if it has none)."""
+        load = self._loads.get(request_id)
+        if load is None or load.recv is None:
+            return []
+        return load.written_block_ids(self.block_size)
 
     def has_pending_work(self) -> bool:
         """Notices to send or loads in flight (both end only through engine steps)."""

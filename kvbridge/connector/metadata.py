@@ -44,6 +44,12 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
         kv_digest: ``binding.kv_digest`` of this request's prompt and
             ``remote_block_ids``, sent with every read: P refuses the read
             unless its grant was issued for the same prompt and blocks.
+        missing_block_ids: local blocks the request needs that no read fills
+            (P does not hold them): reported failed when the read ends.
+
+    Several KV cache groups (``kvbridge.topology.groups``): the block lists are
+    the pairs of every group, group after group, read as whole blocks
+    (``first_token`` 0, ``num_tokens`` a multiple of the equal block sizes).
     """
 
     request_id: str
@@ -60,6 +66,7 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: list[int]
     grant: str
     kv_digest: bytes
+    missing_block_ids: list[int] = []
 
     @property
     def end_token(self) -> int:

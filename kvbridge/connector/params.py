@@ -35,6 +35,7 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
+_OMIT_WHEN_EMPTY = frozenset({"remote_groups"})
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,7 +51,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             (when ``remote_ports`` is given: the port of its rank 0).
         remote_ports: the port of each of P's global ranks, when its workers
             listen on ports of their own choosing (empty: ``remote_port + g``).
-        remote_block_ids: P's blocks holding the prompt, in token order.
+        remote_block_ids: P's blocks holding the prompt, in token order; with
+            several KV cache groups, the held blocks of each group, group after group.
+        remote_groups: per KV cache group, ``(first block index, number of blocks)``
+            of its run in ``remote_block_ids`` (``kvbridge.topology.groups``);
+            empty: one group, every block from token 0.
         remote_tp_size: P's tensor-parallel size.
         remote_pp_size: P's pipeline-parallel size.
         remote_block_size: P's tokens per block.
@@ -66,6 +71,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_port: Port | None = None
     remote_ports: Annotated[list[Port], msgspec.Meta(max_length=4096)] = []
     remote_block_ids: list[Count] = []
+    remote_groups: Annotated[list[tuple[Count, Count]], msgspec.Meta(max_length=1024)] = []
     remote_tp_size: Size = 1
     remote_pp_size: Size = 1
     remote_block_size: Size | None = None
@@ -74,9 +80,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (fields that are ``None`` are left out)."""
+        """A JSON-ready dict (fields that are ``None`` are left out, and
+        ``remote_groups`` when it is empty: one group)."""
         built: dict[str, Any] = msgspec.to_builtins(self)
-        return {key: value for key, value in built.items() if value is not None}
+        return {key: value for key, value in built.items()
+                if value is not None and not (key in _OMIT_WHEN_EMPTY and not value)}
 
     def missing_for_prefill(self) -> list[str]:
         """Names of fields a ``do_remote_prefill`` request lacks (empty: complete)."""
@@ -93,6 +101,12 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             missing.append(f"remote_ports ({len(self.remote_ports)} ports for {num_ranks} ranks)")
         if not self.remote_block_ids:
             missing.append("remote_block_ids")
+        elif self.remote_groups:
+            num_held = sum(count for _, count in self.remote_groups)
+            if num_held != len(self.remote_block_ids) or not all(
+                    count for _, count in self.remote_groups):
+                missing.append(f"remote_block_ids ({len(self.remote_block_ids)} blocks for "
+                               f"groups {self.remote_groups})")
         elif self.remote_block_size is not None:
             num_needed = -(-self.remote_num_tokens // self.remote_block_size)
             if len(self.remote_block_ids) < num_needed:

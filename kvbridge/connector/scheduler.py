@@ -52,7 +52,7 @@ from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.topology import EngineTopology
+from kvbridge.topology import CacheGroup, EngineTopology
 
 __all__ = ["ConnectorScheduler", "KVLoadError", "LoadFailurePolicy", "Role"]
 
@@ -98,6 +98,11 @@ class ConnectorScheduler:
         load_failure_policy: ``"recompute"`` rolls a request back to its first
             bad block; ``"fail"`` raises :class:`KVLoadError`.
         clock: wall clock (epoch seconds) for ``expires_at``.
+        groups: the engine's KV cache groups when it has several (sliding
+            window, recurrent state: ``kvbridge.topology.groups``); None or
+            one ``tokens`` group: every block from token 0, one list.
+        null_block_id: the engine's placeholder block in a group's list
+            (vLLM's null block), never held nor written.
 
     Raises:
         ConfigError: bad role, policy, port, lease or block size.
@@ -115,6 +120,8 @@ class ConnectorScheduler:
         lease_s: float,
         load_failure_policy: LoadFailurePolicy = "recompute",
         clock: Callable[[], float] = time.time,
+        groups: Sequence[CacheGroup] | None = None,
+        null_block_id: int | None = None,
     ) -> None:
         if role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, got {role!r}")
@@ -132,9 +139,15 @@ class ConnectorScheduler:
         self.engine_id, self.role, self.topology = engine_id, role, topology
         self.host, self.base_port, self.block_size = host, base_port, block_size
         self.lease_s, self.load_failure_policy = lease_s, load_failure_policy
-        self._loads = RemoteLoads(block_size, may_load=role != "prefill", clock=clock)
+        if groups is not None and len(groups) == 1 and groups[0].kind == "tokens":
+            groups = None  # one list of every block: the general path (any block sizes)
+        self.groups = tuple(groups) if groups is not None else None
+        self._loads = RemoteLoads(block_size, may_load=role != "prefill", clock=clock,
+                                  groups=groups, null_block_id=null_block_id,
+                                  tp_size=topology.tp_size)
         self._grants = HeldGrants(engine_id, host, base_port, topology, block_size,
-                                  lease_s=lease_s, clock=clock)
+                                  lease_s=lease_s, clock=clock, groups=groups,
+                                  null_block_id=null_block_id)
         self._finished_sending: set[str] = set()
         self._stats = ConnectorStats()  # the workers' transfer counters
 
@@ -182,7 +195,7 @@ class ConnectorScheduler:
         Args:
             request: the request just allocated.
             blocks: ALL its blocks, from token 0 (prefix hits first), e.g.
-                ``manager.get_blocks(request_id)``; one KV cache group.
+                ``manager.get_blocks(request_id)``; one list per KV cache group.
             num_external_tokens: tokens the engine allocated for loading: the
                 planned number, or 0 when it decided to prefill locally after all.
 
@@ -265,13 +278,15 @@ class ConnectorScheduler:
 
     # ---------------------------------------------------------------- request end
     def request_finished(
-        self, request: ConnectorRequest, block_ids: list[int], *, aborted: bool = False
+        self, request: ConnectorRequest, block_ids: list[int] | tuple[list[int], ...], *,
+        aborted: bool = False,
     ) -> tuple[bool, KVTransferParams | None]:
         """A request finished or was aborted: keep its blocks? params for the client?
 
         Args:
             request: the request (its prompt was fully computed unless ``aborted``).
-            block_ids: its blocks in token order (one group).
+            block_ids: its blocks in token order: a list (one group) or a tuple
+                of one list per KV cache group.
             aborted: it was cancelled or failed rather than finished.
 
         Returns:
@@ -315,6 +330,10 @@ class ConnectorScheduler:
         (blocks recorded, workers not told yet), dispatched (workers reading), or None.
         """
         return self._loads.state(request_id)
+
+    def loading_block_ids(self, request_id: str) -> list[int]:
+        """The local blocks a load in flight writes (empty if it has none)."""
+        return self._loads.written_block_ids(request_id)
 
     @property
     def num_held_blocks(self) -> int:

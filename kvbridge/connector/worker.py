@@ -112,6 +112,7 @@ class ConnectorWorker:
         self._sending: set[str] = set()  # grants given back without readers
         self._recving: set[str] = set()  # reads that ended before starting
         self._invalid: set[int] = set()
+        self._failed_recving: set[str] = set()  # reads reported failed, until taken
         self._stats = TransferStats()
 
     @staticmethod
@@ -234,6 +235,11 @@ class ConnectorWorker:
             recv.first_token // block_size : math.ceil(recv.end_token / block_size)
         ]
         self._written[recv.request_id] = written
+        if recv.missing_block_ids or not written:  # the load fails, read or not
+            self._failed[recv.request_id] = set(recv.missing_block_ids)
+        if not written:
+            self._recving.add(recv.request_id)
+            return
         try:
             agent.start_read(
                 recv.request_id, engine_id=recv.remote_engine_id, host=recv.remote_host,
@@ -244,7 +250,7 @@ class ConnectorWorker:
             )
         except ConfigError as exc:  # reported as a failed load with the next output
             logger.warning("read of %r not started: %s", recv.request_id, exc)
-            self._failed[recv.request_id] = set(written)
+            self._failed.setdefault(recv.request_id, set()).update(written)
             self._recving.add(recv.request_id)
 
     def wait_for_save(self) -> None:
@@ -289,8 +295,9 @@ class ConnectorWorker:
         for request_id in recving:
             written = self._written.pop(request_id, [])
             bad = self._failed.pop(request_id, None)
-            if bad:
+            if bad is not None:
                 self._invalid |= bad
+                self._failed_recving.add(request_id)
             elif self._host is not None and written:
                 copy_blocks(self._host, self._device, written)
         for read in agent.get_stats():
@@ -300,6 +307,15 @@ class ConnectorWorker:
                 num_local_copies=int(read.ok and read.num_local_copies > 0),
             ))
         return sending, recving
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests among ``done_recving`` whose load failed, since the last call.
+
+        For engines that are told of failures per request rather than per
+        block (vLLM with several KV cache groups).
+        """
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_output(self) -> KVConnectorOutput:
         """This step's report for the aggregator (calls ``get_finished``)."""

@@ -37,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "FirstToken",
+    "covers_prompt",
     "decode_body",
     "first_event",
     "merge_answer",
@@ -151,6 +152,18 @@ def take(answer: dict[str, Any]) -> FirstToken | None:
     if not finished and (not text or "\ufffd" in text):
         return None
     return FirstToken(answer, ids[0], text, prompt_ids, finished)
+
+
+def covers_prompt(first: FirstToken, params: dict[str, Any] | None) -> bool:
+    """Whether P's params hold the KV of the whole prompt P sampled ``first`` after.
+
+    A P that stopped short of the prompt (vLLM's NixlConnector does so for a
+    model with a recurrent state, for D to recompute the last prompt token)
+    sampled its token after part of it: that token is not the prompt's
+    answer, and the classic flow must run.
+    """
+    num_tokens = params.get("remote_num_tokens") if params is not None else None
+    return not isinstance(num_tokens, int) or num_tokens >= len(first.prompt_ids)
 
 
 def decode_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any] | None

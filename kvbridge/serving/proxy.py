@@ -208,6 +208,10 @@ class PDProxy:
         answer, p_url = await self._prefill(body, request_id, wants_first)
         params = self._params(answer, p_url, request_id)
         first = first_token.take(answer) if wants_first and params is not None else None
+        if first is not None and not first_token.covers_prompt(first, params):
+            logger.warning("%s: prefill computed only part of the prompt; classic flow",
+                           request_id)
+            first = None
         stream = body.get("stream") is True
         if first is not None:
             return await self._continue(body, first, params, request_id, stream)

@@ -18,6 +18,8 @@ Modules:
 - :mod:`.read_plan`: the per-rank read plan and its byte ranges;
 - :mod:`.tp_topology`: the per-worker object tying these together;
 - :mod:`.layout_facts`: cache tensor facts from shapes and strides;
+- :mod:`.groups`: KV cache groups (sliding window, recurrent state): which
+  blocks of each group P holds and D reads;
 - :mod:`.layout`: :class:`KVLayout`, the order of tokens and heads in a block
   (shared with kernels and transfer).
 
@@ -49,6 +51,14 @@ from kvbridge.topology.engine_topology import (
     heads_for_tp_rank,
     layers_for_pp_rank,
 )
+from kvbridge.topology.groups import (
+    CacheGroup,
+    GroupRead,
+    HeldGroups,
+    hold_groups,
+    load_problem,
+    plan_group_read,
+)
 from kvbridge.topology.layout import KVLayout
 from kvbridge.topology.layout_facts import CacheLayoutFacts, describe_cache
 from kvbridge.topology.ratios import (
@@ -64,8 +74,11 @@ from kvbridge.topology.tp_topology import TpKVTopology, UnknownEngineError
 
 __all__ = [
     "BlockSizeRatio",
+    "CacheGroup",
     "CacheLayoutFacts",
     "EngineTopology",
+    "GroupRead",
+    "HeldGroups",
     "IncompatibleTopologyError",
     "KVLayout",
     "ReadPlan",
@@ -78,8 +91,11 @@ __all__ = [
     "check_compatible",
     "describe_cache",
     "heads_for_tp_rank",
+    "hold_groups",
     "layers_for_pp_rank",
+    "load_problem",
     "num_expected_readers",
+    "plan_group_read",
     "signed_ratio",
     "target_remote_ranks",
 ]

@@ -93,6 +93,7 @@ class Server:
     name: str
     bodies: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
+    short: bool = False  # as P: stops one token short of the prompt (a recurrent state)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -105,12 +106,14 @@ class Server:
             prompt = body["prompt"]
             ids = [int(c) for c in prompt.split()] if isinstance(prompt, str) else prompt
             params = body.get("kv_transfer_params") or {}
-            out = colocated(ids, body["max_tokens"])
+            short = self.short and params.get("do_remote_decode")
+            out = colocated(ids[:-1] if short else ids, body["max_tokens"])
             wants = bool(body.get("return_token_ids"))
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(out),
                      "total_tokens": len(ids) + len(out)}
             reason = "stop" if out[-1] == EOS else "length"
-            kv = ({"do_remote_prefill": True, "remote_num_tokens": len(ids), "grant": "g" * 16}
+            kv = ({"do_remote_prefill": True, "remote_num_tokens": len(ids) - bool(short),
+                   "grant": "g" * 16}
                   if params.get("do_remote_decode") else None)
             if body.get("stream"):
                 return StreamingResponse(self._events(ids, out, wants, usage, reason),
@@ -149,16 +152,16 @@ class Hosts(httpx.AsyncBaseTransport):
         return await self._apps[request.url.host].handle_async_request(request)
 
 
-def ask(body: dict[str, Any], *, d_fails: bool = False, first: bool = True
-        ) -> tuple[httpx.Response, Server, Server]:
-    [response], p, d = ask_at_once([body], d_fails=d_fails, first=first)
+def ask(body: dict[str, Any], *, d_fails: bool = False, first: bool = True,
+        p_short: bool = False) -> tuple[httpx.Response, Server, Server]:
+    [response], p, d = ask_at_once([body], d_fails=d_fails, first=first, p_short=p_short)
     return response, p, d
 
 
-def ask_at_once(bodies: list[dict[str, Any]], *, d_fails: bool = False, first: bool = True
-                ) -> tuple[list[httpx.Response], Server, Server]:
+def ask_at_once(bodies: list[dict[str, Any]], *, d_fails: bool = False, first: bool = True,
+                p_short: bool = False) -> tuple[list[httpx.Response], Server, Server]:
     """Send every body to one proxy at the same time; the answers in the bodies' order."""
-    p, d = Server("p"), Server("d", fail=d_fails)
+    p, d = Server("p", short=p_short), Server("d", fail=d_fails)
     config = ProxyConfig(("http://p",), ("http://d",), first_token=first)
 
     async def main() -> list[httpx.Response]:
@@ -202,6 +205,23 @@ def test_the_answer_equals_colocated_and_d_continues_after_ps_token() -> None:
     assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
     assert d_body["prompt"] == [*PROMPT, want[0]] and d_body["max_tokens"] == 5
     assert d_body["kv_transfer_params"]["remote_num_tokens"] == len(PROMPT)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_p_that_stopped_short_of_the_prompt_gets_the_classic_flow(stream: bool) -> None:
+    # a P that stops one token short for a recurrent state (vLLM's NixlConnector):
+    # its token follows the prompt without its last token
+    response, p, d = ask({**BASE, "stream": stream}, p_short=True)
+    want = colocated(PROMPT, 6)
+    assert colocated(PROMPT[:-1], 1) != want[:1]  # P's token would be wrong
+    if stream:
+        got = [t for e in events(response) for c in e["choices"] for t in c.get("token_ids") or []]
+    else:
+        got = response.json()["choices"][0]["token_ids"]
+    assert got == want
+    [d_body] = d.bodies
+    assert d_body["prompt"] == PROMPT and d_body["max_tokens"] == 6
+    assert d_body["kv_transfer_params"]["remote_num_tokens"] == len(PROMPT) - 1
 
 
 def test_a_stream_starts_with_ps_token_and_counts_it_as_output() -> None:

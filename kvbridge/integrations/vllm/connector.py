@@ -14,6 +14,10 @@ A request sent to P with ``"kv_transfer_params": {"do_remote_decode": true}``
 comes back with the params D needs (vLLM's ``NixlConnector`` keys plus
 kvbridge's grant); sent to D with those params, D reads the prompt's KV from
 P instead of computing it. ``kv_connector_extra_config``: ``settings.py``.
+
+It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and
+block ids come per KV cache group (``groups.py``): sliding-window groups move
+only their window, Mamba / linear-attention groups their state.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbridge.connector.outputs import TransferStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import engine_facts
+from kvbridge.integrations.vllm.groups import cache_groups
 from kvbridge.integrations.vllm.messages import StepMetadata
 from kvbridge.integrations.vllm.scheduler_side import VllmSchedulerSide
 from kvbridge.integrations.vllm.settings import for_data_parallel_rank, parse_settings
@@ -57,7 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["KVBridgeConnector"]
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's P/D connector for vLLM (see the module docstring).
 
     Args:
@@ -66,7 +73,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         kv_cache_config: vLLM's KV cache config.
 
     Raises:
-        ConfigError: bad ``kv_connector_extra_config`` or ``kv_role``.
+        ConfigError: bad ``kv_connector_extra_config`` or ``kv_role``, or KV
+            cache groups kvbridge cannot move.
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -81,10 +89,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
         settings = for_data_parallel_rank(
             settings, vllm_config.parallel_config.data_parallel_rank,
             facts.tp_size * facts.pp_size)
+        groups, transfer_ids, num_groups = None, None, 1
+        if kv_cache_config is not None:
+            groups = cache_groups(kv_cache_config, facts.block_size)
+            transfer_ids = tuple(kv_cache_config.transfer_group_ids)
+            num_groups = len(kv_cache_config.kv_cache_groups)
+            if len(groups) > 1 and facts.pp_size > 1:
+                raise ConfigError(f"kvbridge moves a model with {len(groups)} KV cache groups "
+                                  f"(sliding window, Mamba) without pipeline parallelism; "
+                                  f"pipeline_parallel_size is {facts.pp_size}")
+        # vLLM takes a failed load of a model with several groups per request only
+        self._per_request_failures = num_groups > 1
         self._scheduler: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = VllmSchedulerSide(facts, settings)
+            self._scheduler = VllmSchedulerSide(facts, settings, groups, transfer_ids, num_groups)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -117,8 +136,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._worker_side().get_finished(
             metadata if isinstance(metadata, StepMetadata) else None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving() if self._worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+            failed_recving=failed if self._per_request_failures else set())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker_side().take_invalid_block_ids()
+        invalid = self._worker_side().take_invalid_block_ids()
+        return set() if self._per_request_failures else invalid  # else: failed_recving
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:  # vLLM also asks the scheduler's connector
@@ -151,6 +178,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(

@@ -40,15 +40,27 @@ from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import EngineFacts
+from kvbridge.integrations.vllm.groups import NULL_BLOCK_ID
 from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
 from kvbridge.integrations.vllm.settings import VllmSettings
 from kvbridge.integrations.vllm.stats import KVBridgeStats
+from kvbridge.topology import CacheGroup
 
 __all__ = ["VllmSchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
 _FINISHED_OK = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+
+
+@dataclass(frozen=True, slots=True)
+class _TransferBlocks:
+    """A request's block ids of the transfer groups (``BlockIds``)."""
+
+    block_ids: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.block_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +88,23 @@ class VllmSchedulerSide:
     Args:
         facts: the engine's facts.
         settings: the connector's settings.
+        groups: the transfer groups (``groups.cache_groups``); None: one group.
+        transfer_group_ids: which of vLLM's groups they are (None: all).
+        num_groups: vLLM's KV cache groups, transferred or not.
     """
 
-    def __init__(self, facts: EngineFacts, settings: VllmSettings) -> None:
+    def __init__(self, facts: EngineFacts, settings: VllmSettings,
+                 groups: tuple[CacheGroup, ...] | None = None,
+                 transfer_group_ids: tuple[int, ...] | None = None,
+                 num_groups: int = 1) -> None:
         self.facts, self.settings = facts, settings
         self._scheduler = ConnectorScheduler(
             facts.engine_id, facts.role, facts.topology(fused_kv=False), settings.host,
             settings.base_port, facts.block_size, lease_s=settings.lease_s,
+            groups=groups, null_block_id=NULL_BLOCK_ID,
         )
+        self._transfer_group_ids = transfer_group_ids
+        self._per_request_failures = num_groups > 1  # vLLM's rule for invalid block ids
         self._received_here: set[str] = set()  # aborted before any worker read them
         self._sync: set[str] = set()  # loads made synchronously, until reported received
 
@@ -120,8 +141,8 @@ class VllmSchedulerSide:
         """``(tokens to load, load asynchronously)``; small loads are synchronous."""
         num_tokens, is_async = self._scheduler.get_num_new_matched_tokens(
             _RequestView.of(request), num_computed_tokens)
-        if not is_async:
-            return num_tokens, False
+        if not is_async or self._per_request_failures:
+            return num_tokens, is_async
         block_size = self.facts.block_size
         num_blocks = -(-(num_computed_tokens + num_tokens) // block_size) - (
             num_computed_tokens // block_size)
@@ -133,8 +154,15 @@ class VllmSchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: BlockIds,
                                  num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(_RequestView.of(request), blocks,
-                                                 num_external_tokens)
+        self._scheduler.update_state_after_alloc(
+            _RequestView.of(request), _TransferBlocks(self._transfer(blocks.get_block_ids())),
+            num_external_tokens)
+
+    def _transfer(self, block_ids: Sequence[list[int]]) -> tuple[list[int], ...]:
+        """The transfer groups' lists of vLLM's per-group block ids."""
+        if self._transfer_group_ids is None:
+            return tuple(block_ids)
+        return tuple(block_ids[index] for index in self._transfer_group_ids)
 
     # ---------------------------------------------------------------- every step
     def build_connector_meta(self, num_scheduled_tokens: int) -> StepMetadata:
@@ -154,11 +182,14 @@ class VllmSchedulerSide:
     def update_connector_output(self, output: VllmConnectorOutput) -> None:
         """Take in the workers' aggregated output before vLLM acts on it."""
         stats = output.kv_connector_stats
+        invalid = set(output.invalid_block_ids)
+        for request_id in getattr(output, "failed_recving", None) or ():
+            invalid.update(self._scheduler.loading_block_ids(request_id))
         self._scheduler.update_connector_output(KVConnectorOutput(
             finished_sending=output.finished_sending, finished_recving=output.finished_recving,
             kv_connector_stats=(stats.to_transfer_stats() if isinstance(stats, KVBridgeStats)
                                 else None),
-            invalid_block_ids=set(output.invalid_block_ids),
+            invalid_block_ids=invalid,
         ))
         # vLLM acts on these itself: drain kvbridge's copies
         self._scheduler.take_finished_recving()
@@ -173,14 +204,21 @@ class VllmSchedulerSide:
             self._received_here = set()
 
     # ---------------------------------------------------------------- request end
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Keep a finished prefill's blocks for D (returns its params), or let them go."""
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a finished prefill's blocks for D (returns its params), or let them go.
+
+        Args:
+            request: the finished request.
+            block_ids: its blocks per KV cache group (vLLM's, all groups).
+        """
         request_id = request.request_id
         load = self._scheduler.load_state(request_id)
         aborted = request.status not in _FINISHED_OK
+        groups = self._transfer(block_ids)
         delay, params = self._scheduler.request_finished(
-            _RequestView.of(request), list(block_ids), aborted=aborted)
+            _RequestView.of(request), list(groups[0]) if len(groups) == 1 else groups,
+            aborted=aborted)
         if load != "dispatched":
             self._sync.discard(request_id)  # no worker will report it
         if load is not None:

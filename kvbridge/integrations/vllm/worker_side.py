@@ -25,6 +25,7 @@ blocks that did not arrive. A read always ends: the agent's deadlines
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from kvbridge.integrations.vllm.facts import (
     latent_views,
     unique_layer_caches,
 )
+from kvbridge.integrations.vllm.groups import registered_caches
 from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
 from kvbridge.integrations.vllm.settings import VllmSettings
 
@@ -70,6 +72,7 @@ class VllmWorkerSide:
         self._sending: set[str] = set()  # reported by the agent, not yet to vLLM
         self._recving: set[str] = set()
         self._invalid: set[int] = set()
+        self._failed_recving: set[str] = set()
         self._stats: TransferStats | None = None
         self._num_sync_loads = 0
 
@@ -82,8 +85,14 @@ class VllmWorkerSide:
         """
         if self._worker is not None:
             raise ConfigError("register_kv_caches called twice")
-        layers = latent_views(self.facts, unique_layer_caches(kv_caches))
+        # MLA: no KV cache groups of other kinds; hybrid buffers: one view each
+        caches = (unique_layer_caches(kv_caches) if self.facts.is_mla
+                  else registered_caches(kv_caches))
+        layers = latent_views(self.facts, caches)
         topology, compat = cache_topology(self.facts, layers)
+        if self.facts.pp_size == 1 and topology.num_layers != len(layers):
+            # KV cache groups share buffers (vLLM's hybrid manager): one per group slot
+            topology = dataclasses.replace(topology, num_layers=len(layers))
         settings = self.settings
         worker = ConnectorWorker(
             self.facts.engine_id, topology, self.tp_rank, self.pp_rank, compat,
@@ -123,7 +132,7 @@ class VllmWorkerSide:
         warn_at = started + _SYNC_WARN_EVERY_S
         while True:
             self._news.clear()
-            self._collect(worker.get_output())
+            self._collect(worker, worker.get_output())
             waiting -= self._recving
             if not waiting:
                 return
@@ -134,10 +143,11 @@ class VllmWorkerSide:
                                time.monotonic() - started)
                 warn_at += _SYNC_WARN_EVERY_S
 
-    def _collect(self, output: KVConnectorOutput) -> None:
+    def _collect(self, worker: ConnectorWorker, output: KVConnectorOutput) -> None:
         self._sending |= output.finished_sending or set()
         self._recving |= output.finished_recving or set()
         self._invalid |= output.invalid_block_ids
+        self._failed_recving |= worker.take_failed_recving()
         stats = output.kv_connector_stats
         if isinstance(stats, TransferStats):
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
@@ -159,7 +169,7 @@ class VllmWorkerSide:
         if metadata is not None and metadata.idle_wait_s > 0:
             self._news.wait(metadata.idle_wait_s)
         self._news.clear()
-        self._collect(worker.get_output())
+        self._collect(worker, worker.get_output())
         sending, recving = self._sending, self._recving
         self._sending, self._recving = set(), set()
         return sending or None, recving or None
@@ -168,6 +178,11 @@ class VllmWorkerSide:
         """Blocks whose load failed, reported no later than their request's recving."""
         invalid, self._invalid = self._invalid, set()
         return invalid
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests reported received whose load failed (with or before that report)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_stats(self) -> TransferStats | None:
         """Stats of the reads that ended since the last call, or None."""

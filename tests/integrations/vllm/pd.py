@@ -201,8 +201,10 @@ def wait_usage(url: str, at_most: float = 0.0, timeout_s: float = 15.0) -> float
 
 
 @contextmanager
-def kvbridge_proxy(p_url: str, d_url: str, log_path: Path) -> Iterator[str]:
-    """``kvbridge proxy`` in front of one P and one D; yields its URL."""
+def kvbridge_proxy(p_url: str, d_url: str, log_path: Path, *, classic: bool = False
+                   ) -> Iterator[str]:
+    """``kvbridge proxy`` in front of one P and one D (``classic``: without the
+    first-token flow); yields its URL."""
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -219,6 +221,7 @@ def kvbridge_proxy(p_url: str, d_url: str, log_path: Path) -> Iterator[str]:
                 str(port),
                 "--log-level",
                 "warning",
+                *(["--classic"] if classic else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

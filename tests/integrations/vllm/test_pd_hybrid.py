@@ -1,0 +1,368 @@
+"""P/D of hybrid models through KVBridgeConnector in real vLLM (its hybrid KV cache manager on).
+
+Two families, two servers each (P and D with the zero config; the colocated
+answer is P's own, asked without ``kv_transfer_params`` before D sees the
+prompt), random-weight models built here (``tiny_hybrid.py``):
+
+- sliding window: a Gemma 3 shape, 4 sliding-window layers (96 tokens) and 1
+  full-attention layer, block size 32: five KV cache groups. D loads every
+  block of the full-attention group but only the window's blocks of the
+  others (kvbridge's byte counter says how many).
+- linear attention: a Qwen3-Next shape, 3 gated-delta-net layers (a recurrent
+  state per request) and 1 full-attention layer, MoE; vLLM makes its block
+  size 160 (a state's page). P holds the state after the whole prompt; D
+  continues after P's token (``kvbridge proxy``'s first-token flow, here by
+  hand: D's prompt is the prompt and P's token), loading the full-attention
+  blocks and the three states. Asked the classic way (D recomputes the last
+  prompt token: it would need the state one token earlier), D does not load
+  and prefills itself.
+
+Every group of a model shares one cache buffer here (one layer per group), so
+a block of any group is one page of that buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import pytest
+
+from tests.integrations.vllm.client import (
+    EXTERNAL_PREFIX_CACHE_HITS,
+    PREFIX_CACHE_HITS,
+    complete,
+    metrics,
+    poll_metrics,
+)
+from tests.integrations.vllm.conftest import REPO_ROOT
+from tests.integrations.vllm.pd import (
+    BYTES,
+    FAILURES,
+    NUM_NEW_TOKENS,
+    SYNC_LOADS,
+    TRANSFERS,
+    ZERO_CONFIG,
+    counters,
+    kvbridge_proxy,
+    pd_complete,
+    prompt_ids,
+    wait_usage,
+)
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A hybrid model as the tests see it."""
+
+    kind: str  # tiny_hybrid kind
+    block_size: int  # what vLLM uses
+    page_nbytes: int  # one block of the (one) cache buffer
+    window: int  # sliding-window tokens (0: none)
+    num_windows: int  # sliding-window groups
+    num_states: int  # recurrent-state groups
+    many: int  # a prompt of many blocks
+
+    @property
+    def classic(self) -> bool:
+        """Whether D loads in the classic flow (recomputing the last prompt token)."""
+        return self.num_states == 0
+
+    def end(self, num_prompt_tokens: int) -> int:
+        """Tokens D loads of a prompt (all but the last, or after P's token: all)."""
+        return num_prompt_tokens - 1 if self.classic else num_prompt_tokens
+
+    def nbytes(self, first_token: int, end: int) -> int:
+        """Bytes D reads to load tokens ``[first_token, end)`` (and the states after ``end``)."""
+        bs = self.block_size
+        end_block = -(-end // bs)
+        full = end_block - first_token // bs
+        window = end_block - max(first_token, end - self.window + 1) // bs
+        num_blocks = full + self.num_windows * window + self.num_states
+        return num_blocks * self.page_nbytes
+
+
+# page: 2 KV heads x block x (K+V of head size) x 2 bytes
+SWA = Family("gemma3", 32, 2 * 32 * 64 * 2, window=96, num_windows=4, num_states=0, many=600)
+LINEAR = Family("qwen3_next", 160, 2 * 160 * 128 * 2, window=0, num_windows=0, num_states=3,
+                many=700)
+FAMILIES = [pytest.param(SWA, id="sliding-window"), pytest.param(LINEAR, id="linear-attention")]
+
+
+def families(*only: Family) -> pytest.MarkDecorator:
+    """Parametrize by family, module-scoped: pytest runs one family's tests together,
+    so its two servers start once (the pool keeps three)."""
+    chosen = [param for param in FAMILIES if not only or param.values[0] in only]
+    return pytest.mark.parametrize("family", chosen, scope="module")
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], Path]:
+    """``factory(family) -> model dir``, each built once (in a child: no transformers here)."""
+    built: dict[str, Path] = {}
+
+    def factory(family: Family) -> Path:
+        if family.kind not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{family.kind}")
+            subprocess.run(
+                [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_hybrid", family.kind,
+                 str(out)],
+                cwd=REPO_ROOT, check=True, capture_output=True, timeout=300,
+            )
+            built[family.kind] = out
+        return built[family.kind]
+
+    return factory
+
+
+def spec(model: Path, family: Family, instance: str) -> ServerSpec:
+    return ServerSpec(model, dtype="bfloat16", block_size=32,
+                      kv_transfer_config=json.dumps(ZERO_CONFIG), instance=instance)
+
+
+def servers(vllm_servers: ServersForTest, models: Callable[[Family], Path],
+            family: Family) -> tuple[VllmServer, VllmServer]:
+    model = models(family)
+    return vllm_servers.shared(spec(model, family, "p")), vllm_servers.shared(
+        spec(model, family, "d"))
+
+
+def colocated(p: VllmServer, prompt: list[int]) -> list[int]:
+    """P's own greedy answer (no transfer params: nothing held, nothing cut)."""
+    return complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+
+
+class Hops(NamedTuple):
+    """A P/D answer made by hand and how D's counters moved for it."""
+
+    token_ids: list[int]
+    params: dict[str, Any]
+    num_transfers: float
+    num_failures: float
+    nbytes: float
+    external_hits: float
+
+
+def hops(p: VllmServer, d: VllmServer, family: Family, prompt: list[int]) -> Hops:
+    """P, then D with P's params: the classic way, or after P's token for a state model."""
+    before = counters(d.base_url)
+    done = complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = done.kv_transfer_params
+    assert params is not None and params.get("do_remote_prefill"), done.response
+    if family.classic:
+        tokens = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params).token_ids
+    else:
+        rest = complete(d.base_url, [*prompt, *done.token_ids], NUM_NEW_TOKENS - 1,
+                        kv_transfer_params=params)
+        tokens = done.token_ids + rest.token_ids
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0.0) + m.get(FAILURES, 0.0)
+                         > before[TRANSFERS] + before[FAILURES])
+    return Hops(tokens, params, *(after[name] - before[name] for name in (
+        TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS)))
+
+
+@families()
+@pytest.mark.parametrize("size", ["short", "one-block", "many-blocks"])
+def test_pd_answers_equal_colocated_and_only_needed_blocks_move(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+    size: str,
+) -> None:
+    num_tokens = {"short": 5, "one-block": family.block_size, "many-blocks": family.many}[size]
+    p, d = servers(vllm_servers, hybrid_models, family)
+    prompt = prompt_ids(num_tokens, seed=40)
+    expected = colocated(p, prompt)
+    result = hops(p, d, family, prompt)
+    assert result.token_ids == expected
+    params = result.params
+    assert len(params["remote_groups"]) == 1 + family.num_windows + family.num_states
+    assert params["remote_num_tokens"] == num_tokens
+    # D loaded every token it does not compute, and of the windows only their blocks
+    assert (result.num_transfers, result.num_failures) == (1, 0)
+    assert result.external_hits == family.end(num_tokens)
+    assert result.nbytes == family.nbytes(0, family.end(num_tokens))
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+@families(SWA)
+def test_sliding_window_moves_a_fraction_of_a_long_prompt(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+) -> None:
+    # the window's blocks, not the prompt's: 4 of 5 layers move 4 blocks of 63
+    p, d = servers(vllm_servers, hybrid_models, family)
+    prompt = prompt_ids(2000, seed=41)
+    expected = colocated(p, prompt)
+    result = hops(p, d, family, prompt)
+    assert result.token_ids == expected
+    whole = 5 * -(-1999 // SWA.block_size) * SWA.page_nbytes  # every layer, every block
+    assert result.nbytes == SWA.nbytes(0, 1999) == (63 + 4 * 4) * SWA.page_nbytes
+    assert result.nbytes < 0.26 * whole
+
+
+@families()
+def test_a_partial_prefix_hit_on_d_loads_only_the_rest(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+) -> None:
+    p, d = servers(vllm_servers, hybrid_models, family)
+    bs = family.block_size
+    num_hit = (9 if family.window else 2) * bs  # a window's blocks / a state at a boundary
+    earlier = prompt_ids(num_hit + bs + 40, seed=42)
+    complete(d.base_url, earlier, 2)  # D computes it itself: its prefix cache keeps it
+    prompt = earlier[:num_hit] + prompt_ids(200, seed=43)
+    expected = colocated(p, prompt)
+    hits_before = metrics(d.base_url).get(PREFIX_CACHE_HITS, 0.0)
+    result = hops(p, d, family, prompt)
+    assert result.token_ids == expected
+    num_local = metrics(d.base_url).get(PREFIX_CACHE_HITS, 0.0) - hits_before
+    # D reads only what its own cache lacks (whatever vLLM's hybrid manager found)
+    assert num_local in (0, num_hit)
+    assert result.external_hits == family.end(len(prompt)) - num_local
+    assert result.nbytes == family.nbytes(int(num_local), family.end(len(prompt)))
+    wait_usage(p.base_url)
+
+
+@families()
+def test_requests_at_once(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+) -> None:
+    p, d = servers(vllm_servers, hybrid_models, family)
+    prompts = [prompt_ids(n, seed=44) for n in (7, 90, family.block_size + 3, 333, 480, 650)]
+    expected = [colocated(p, prompt) for prompt in prompts]
+    before = counters(d.base_url)
+
+    def first(prompt: list[int]) -> tuple[list[int], dict[str, Any]]:
+        done = complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        assert done.kv_transfer_params is not None
+        return done.token_ids, done.kv_transfer_params
+
+    def rest(job: tuple[list[int], tuple[list[int], dict[str, Any]]]) -> list[int]:
+        prompt, (token, params) = job
+        if family.classic:
+            return complete(d.base_url, prompt, NUM_NEW_TOKENS,
+                            kv_transfer_params=params).token_ids
+        return token + complete(d.base_url, prompt + token, NUM_NEW_TOKENS - 1,
+                                kv_transfer_params=params).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        firsts = list(pool.map(first, prompts))
+        answers = list(pool.map(rest, zip(prompts, firsts, strict=True)))
+    assert answers == expected
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) - before[TRANSFERS]
+                         + m.get(FAILURES, 0) - before[FAILURES] >= len(prompts))
+    assert (after[TRANSFERS] - before[TRANSFERS], after[FAILURES] - before[FAILURES]) == (6, 0)
+    assert after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS] == sum(
+        family.end(len(prompt)) for prompt in prompts)
+    assert after[BYTES] - before[BYTES] == sum(
+        family.nbytes(0, family.end(len(x))) for x in prompts)
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+@families()
+@pytest.mark.parametrize("flow", ["classic", "first-token"])
+def test_through_kvbridge_proxy(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+    flow: str, tmp_path: Path,
+) -> None:
+    p, d = servers(vllm_servers, hybrid_models, family)
+    classic = flow == "classic"
+    # four prompts, none a prefix of another (D's own cache holds none of them),
+    # whose first answer token is a whole character: the proxy then takes the
+    # first-token flow for each (``first_token.take``)
+    prompts = [whole_first_token(p, n, seed=45 + 10 * classic + 5 * stream)
+               for stream in (0, 1) for n in (9, 2 * family.block_size + 11)]
+    expected = [colocated(p, prompt) for prompt in prompts]
+    before = counters(d.base_url)
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log",
+                        classic=classic) as proxy:
+        for index, (prompt, want) in enumerate(zip(prompts, expected, strict=True)):
+            stream = index >= 2
+            body = {"model": str(p.spec.model), "prompt": prompt,
+                    "max_tokens": NUM_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True, "stream": stream}
+            response = httpx.post(f"{proxy}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            if stream:
+                events = [json.loads(line.removeprefix("data: "))
+                          for line in response.text.splitlines()
+                          if line.startswith("data: {")]
+                got = [t for e in events for c in e["choices"]
+                       for t in c.get("token_ids") or []]
+            else:
+                got = response.json()["choices"][0]["token_ids"]
+            assert got == want, (flow, len(prompt), stream)
+    after = counters(d.base_url)
+    loaded = after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS]
+    if classic and not family.classic:  # a state D cannot rewind: D prefilled each itself
+        assert loaded == 0 and "a state cannot be rewound" in d.log_path.read_text()
+    elif classic:  # D computed the last prompt token
+        assert loaded == sum(len(prompt) - 1 for prompt in prompts)
+    else:  # D computed P's token only
+        assert loaded == sum(len(prompt) for prompt in prompts)
+    assert after[FAILURES] == before[FAILURES] and after[SYNC_LOADS] == before[SYNC_LOADS]
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def whole_first_token(p: VllmServer, num_tokens: int, seed: int) -> list[int]:
+    """A prompt of ``num_tokens`` whose greedy first token P shows as whole text."""
+    for attempt in range(50):
+        prompt = prompt_ids(num_tokens, seed=seed + 1000 * attempt)
+        text = complete(p.base_url, prompt, 1).text
+        if text and "\ufffd" not in text:
+            return prompt
+    raise AssertionError(f"no prompt of {num_tokens} tokens with a whole first token")
+
+
+@families(LINEAR)
+def test_a_state_after_another_token_count_is_not_loaded(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+) -> None:
+    # P holds the state after the whole prompt; D asked the classic way needs
+    # it one token earlier, which no state can give: D prefills itself
+    p, d = servers(vllm_servers, hybrid_models, family)
+    prompt = prompt_ids(400, seed=46)
+    expected = colocated(p, prompt)
+    before = counters(d.base_url)
+    params = complete(p.base_url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True}).kv_transfer_params
+    assert params is not None and params["remote_num_tokens"] == len(prompt)
+    done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+    assert done.token_ids == expected
+    after = counters(d.base_url)
+    assert after[EXTERNAL_PREFIX_CACHE_HITS] == before[EXTERNAL_PREFIX_CACHE_HITS]
+    assert after[TRANSFERS] == before[TRANSFERS]
+    assert "a state cannot be rewound" in d.log_path.read_text()
+    wait_usage(p.base_url)  # D gave P's blocks back
+
+
+@families(SWA)
+def test_a_window_block_p_freed_is_not_loaded(
+    vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
+) -> None:
+    # P, having computed all 607 tokens, freed the block ending at token 512;
+    # D, computing token 606, still attends to token 511
+    p, d = servers(vllm_servers, hybrid_models, family)
+    prompt = prompt_ids(512 + SWA.window - 1, seed=47)
+    expected = colocated(p, prompt)
+    before = counters(d.base_url)
+    result = pd_complete(p.base_url, d.base_url, prompt)
+    assert result.completion.token_ids == expected
+    assert (result.num_transfers, result.external_hits) == (0, 0)
+    assert after_log_names(d, "sliding window 96")
+    assert counters(d.base_url)[TRANSFERS] == before[TRANSFERS]
+    wait_usage(p.base_url)
+
+
+def after_log_names(server: VllmServer, text: str) -> bool:
+    return text in server.log_path.read_text()
