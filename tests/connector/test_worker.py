@@ -80,3 +80,26 @@ def test_read_that_cannot_start_is_reported_failed(workers: list[ConnectorWorker
     worker.wait_for_save()
     out = worker.get_output()
     assert out.finished_recving == {"r"} and out.invalid_block_ids == {3}
+    assert worker.take_failed_recving() == {"r"} and worker.take_failed_recving() == set()
+
+
+def test_a_read_that_names_missing_blocks_fails_per_request(
+    workers: list[ConnectorWorker],
+) -> None:
+    # several KV cache groups: a load whose blocks P does not all hold, or that
+    # has nothing it could read, is reported received and failed (vLLM then
+    # recomputes or fails the request), never as a load that went well
+    worker = make_worker(KVLayout.NHD)
+    workers.append(worker)
+    worker.register_kv_caches([torch.zeros(2, 10, 16, 4, 4)] * 2)
+    empty = RecvRequest(
+        request_id="empty", local_block_ids=[], first_token=0, num_tokens=0,
+        remote_engine_id="p", remote_host="127.0.0.1", remote_port=5600, remote_tp_size=1,
+        remote_pp_size=1, remote_block_size=16, remote_block_ids=[], grant="g" * 22,
+        kv_digest=bytes(32), missing_block_ids=[4, 5],
+    )
+    worker.start_load_kv(ConnectorMetadata(reqs_to_recv=[empty]))
+    worker.wait_for_save()
+    out = worker.get_output()
+    assert out.finished_recving == {"empty"} and out.invalid_block_ids == {4, 5}
+    assert worker.take_failed_recving() == {"empty"}
