@@ -110,7 +110,7 @@ def build_tiny_family(
         )
         model_cls = DeepseekV2ForCausalLM
     elif kind == "moe":
-        config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: kwargs in the stubs
+        config = Qwen3MoeConfig(  # type: ignore[call-arg, unused-ignore]  # head_dim: kwargs in the stubs
             **common, num_key_value_heads=2, head_dim=48, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[0],
         )
