@@ -80,7 +80,7 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
     # as the reference engine allocates its caches (huge pages where the OS has them)
     caches = [kv_cache_zeros(shape, torch.bfloat16, device) for _ in range(num_layers)]
     agent = TransferAgent(engine_id, topo, 0, 0, compat,
-                          config=AgentConfig(local_copy=local_copy))
+                          config=AgentConfig(local_copy=local_copy, listen_host="0.0.0.0"))
     agent.register_kv_caches(caches)
     return agent, caches
 

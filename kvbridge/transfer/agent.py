@@ -268,7 +268,8 @@ class TransferAgent:
 
         try:
             self.port = worker.listen(
-                self._requested_port, on_connect, timeout_s=cfg.handshake_timeout_s
+                cfg.listen_host, self._requested_port, on_connect,
+                timeout_s=cfg.handshake_timeout_s,
             )
             self._running = _Running(loop, worker, reads, asyncio.Event(), server_ctx)
             ready.set()

@@ -27,6 +27,7 @@ _SecondsOrOff = Annotated[float, msgspec.Meta(ge=0, le=_FINITE_MAX)]
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _PositiveOrOff = Annotated[int, msgspec.Meta(ge=0)]
 _UpTo64 = Annotated[int, msgspec.Meta(gt=0, le=64)]
+_Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +81,16 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         grant_board: when serving same-host copies, also publish live grants on
             the board same-host readers check themselves (``protocol/grant_board.py``), so
             they need not ask before they copy. False: every copy asks.
+        listen_host: the address the agent's listener binds. The connector sets it
+            to the address it advertises (``host``) unless the deployment names
+            another (``listen_host`` in the vLLM settings, ``kvbridge serve
+            --transfer-listen-host``); ``"0.0.0.0"`` (or ``"::"``) binds every
+            interface, for an advertised address that is translated on the way
+            (NAT, a container's published port). Default: loopback only.
+        max_sessions: connections this agent serves at once (readers' links,
+            one per reader rank and peer); a connection beyond it is refused
+            with a typed ``busy`` reject, so a flood of connections cannot take
+            the agent's memory or tasks.
         test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
             sleeps this long before sending each data chunk, so that fault tests
             (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
@@ -107,6 +118,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     copy_threads: _UpTo64 = 2
     inline_copy_max_nbytes: _PositiveOrOff = 64 << 20
     grant_board: bool = True
+    listen_host: _Host = "127.0.0.1"
+    max_sessions: _Positive = 256
     test_chunk_delay_s: _SecondsOrOff = 0.0
 
     def __post_init__(self) -> None:
@@ -151,11 +164,14 @@ def _field_rules() -> dict[str, tuple[type, object, str]]:
             for op, bound in ((">", meta.gt), (">=", meta.ge), ("<=", meta.le)):
                 if bound is not None and bound != _FINITE_MAX:
                     words.append(f"{op} {bound}")
+            if meta.max_length is not None:
+                words.append(f"{meta.min_length}..{meta.max_length} characters long")
         rules[info.name] = (kind, info.type, " and ".join(words))
     return rules
 
 
-_KIND_WORDS = {float: "a number", int: "an integer", bool: "a bool (true or false)"}
+_KIND_WORDS = {float: "a number", int: "an integer", bool: "a bool (true or false)",
+               str: "a string"}
 
 
 def _check_field(name: str, value: object, strict: bool) -> None:

@@ -56,6 +56,7 @@ class Spec:
     config: dict[str, Any] = field(default_factory=dict)
     manual_clock: bool = False  # the grant table's clock moves only on ``advance``
     shared: bool = False  # caches in shared memory (``kv_cache_zeros(shared=True)``)
+    seed_random: int | None = None  # random.seed() in the child first, as vLLM seeds it
 
     def topology(self) -> EngineTopology:
         return EngineTopology(
@@ -154,6 +155,10 @@ def _child(conn: Connection) -> None:
 
     def handle(cmd: str, name: str, args: Any) -> Any:
         if cmd == "add":
+            if args.seed_random is not None:
+                import random
+
+                random.seed(args.seed_random)
             if args.manual_clock:
                 clocks[name] = ManualClock(1000.0)
             agent, caches = new_agent(args, clocks.get(name))

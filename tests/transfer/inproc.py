@@ -133,7 +133,7 @@ async def server_and_reader(
     s_worker, r_worker = UcxWorker(), UcxWorker()
     reads: Reads | None = None
     try:
-        port = s_worker.listen(0, lambda conn: serve_connection(s_ctx, conn), timeout_s=5.0)
+        port = s_worker.listen(HOST, 0, lambda conn: serve_connection(s_ctx, conn), timeout_s=5.0)
         r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
                               r_cfg, BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks),
                               executor)
@@ -177,7 +177,7 @@ async def fake_server_link(
     s_worker, r_worker = UcxWorker(), UcxWorker()
     link: PeerLink | None = None
     try:
-        port = s_worker.listen(0, session, timeout_s=5.0)
+        port = s_worker.listen(HOST, 0, session, timeout_s=5.0)
         r_cfg = AgentConfig(**{**FAST, "direct_reads": False, **(reader_config or {})})
         r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
                               r_cfg, BufferPool(4), executor)

@@ -25,7 +25,7 @@ from kvbridge.transfer.protocol.handshake import (
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
-from tests.transfer.inproc import COMPAT, TOPOLOGY, caches
+from tests.transfer.inproc import COMPAT, HOST, TOPOLOGY, caches
 
 CODEC = wire.MessageCodec()
 
@@ -47,7 +47,7 @@ async def handshake(server: Identity, reader: Identity) -> wire.AgentMetadata:
 
     s_worker, r_worker = UcxWorker(), UcxWorker()
     try:
-        port = s_worker.listen(0, session, timeout_s=5.0)
+        port = s_worker.listen(HOST, 0, session, timeout_s=5.0)
         conn = await r_worker.connect("127.0.0.1", port, timeout_s=5.0)
         try:
             return await reader_handshake(conn, CODEC, reader, server.engine_id, 0,

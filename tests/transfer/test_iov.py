@@ -64,7 +64,8 @@ def lib() -> UcpLibrary:
 @pytest.mark.parametrize(("status", "kind", "text"), [
     (-9, ProtocolError, "larger than the posted buffer"),
     (-16, PeerClosedError, "canceled"),
-    (-25, UcpError, "Connection reset"),
+    (-25, PeerClosedError, "Connection reset"),
+    (-2, UcpError, "No resources"),
 ])
 def test_failed_request_raises_a_typed_error(
     lib: UcpLibrary, status: int, kind: type[Exception], text: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -48,7 +49,7 @@ async def connected() -> AsyncIterator[Connected]:
 
     server, client = UcxWorker(), UcxWorker()
     try:
-        port = server.listen(0, on_connect, timeout_s=5.0)
+        port = server.listen(HOST, 0, on_connect, timeout_s=5.0)
         conn = await client.connect(HOST, port, timeout_s=5.0)
         try:
             yield conn, accepted, client
@@ -244,3 +245,76 @@ def test_an_exception_is_not_mapped_by_its_name() -> None:
 
     mapped = _map_ucx_error(CancelledTruncatedLookalike("?"), "send")
     assert type(mapped) is TransferError
+
+
+def other_address() -> str:
+    """An IPv4 address of this host other than loopback (UCX's connection manager needs
+    an address an interface has: 127.0.0.2 reaches loopback but has no interface)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if fields[1] != "lo":
+            return fields[3].split("/")[0]
+    raise AssertionError(f"this host has no IPv4 address but loopback:\n{out}")
+
+
+def test_a_listener_binds_the_address_it_is_given_not_every_interface() -> None:
+    """A listener bound to loopback is not reached at the host's other address, nor one
+    bound to that address at loopback; "0.0.0.0" (the explicit opt-in) is reached at both."""
+    other = other_address()
+
+    async def reachable(bind: str, at: str) -> bool:
+        async def on_connect(conn: UcxConnection) -> None:
+            conn.abort()
+
+        server, client = UcxWorker(), UcxWorker()
+        try:
+            port = server.listen(bind, 0, on_connect, timeout_s=5.0)
+            try:
+                conn = await client.connect(at, port, timeout_s=2.0)
+            except (PeerUnreachableError, PeerTimeoutError):
+                return False
+            conn.abort()
+            return True
+        finally:
+            await client.close()
+            await server.close()
+
+    async def run() -> None:
+        assert await reachable(other, other)
+        assert not await reachable(HOST, other)
+        assert not await reachable(other, HOST)
+        assert await reachable("0.0.0.0", other)
+        assert await reachable("0.0.0.0", HOST)
+
+    asyncio.run(run())
+
+
+def test_listening_on_an_address_not_of_this_host_fails_typed() -> None:
+    async def run() -> None:
+        worker = UcxWorker()
+        try:
+            with pytest.raises(PeerUnreachableError, match="198.51.100.1"):
+                worker.listen("198.51.100.1", 0, lambda conn: asyncio.sleep(0), timeout_s=1.0)
+        finally:
+            await worker.close()
+
+    asyncio.run(run())
+
+
+def test_connection_keys_are_64_random_bits_not_drawn_from_random() -> None:
+    """vLLM seeds ``random`` with 0: keys must not follow it (tests/transfer/test_tag_injection.py
+    shows what a predictable key allowed)."""
+    import random
+
+    async def keys() -> list[int]:
+        random.seed(0)
+        async with connected() as (conn, accepted, _):
+            far = await asyncio.wait_for(accepted.get(), 5.0)
+            return [conn.local_id, far.local_id]
+
+    first, second = asyncio.run(keys()), asyncio.run(keys())
+    assert len(set(first + second)) == 4
+    assert all(key >> 36 for key in first + second)  # an id in the top 28 bits
+    assert all(key & ((1 << 36) - 1) for key in first + second)  # and a mask below

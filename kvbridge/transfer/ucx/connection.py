@@ -6,11 +6,20 @@ has a deadline; a wait that times out aborts the connection (its tag sequence
 is out of step), and ``abort`` completes every receive still posted, so no
 buffer stays lent to UCX. One debug line per operation (peer, channel, bytes).
 
-Tags are worker-global in UCX, so each connection end draws a random id and the
-two ends swap ids over the endpoint's stream channel on connect::
+Tags are worker-global in UCX: a receive matches any message with its tag,
+whichever endpoint it came by. So each connection end draws a 64-bit key from
+``secrets`` (its *id*, the top 28 bits, unique in its worker) and the two ends
+swap keys over the endpoint's stream channel on connect; a message to an end
+on channel ``c`` carries the tag ``key ^ c``::
 
-    tag (64 bits) = [ receiver's connection id : 28 ][ channel : 36 ]
+    key (64 bits)   = [ id : 28 ][ mask : 36 ]          (random, never sent to a third party)
+    tag (64 bits)   = [ id : 28 ][ mask ^ channel : 36 ] = key ^ channel
     channel 0 carries control frames; the agent numbers data channels from 1.
+
+Another peer connected to the same worker may send any tag, but to complete a
+receive posted for this connection it must guess 64 random bits (the channel
+numbers themselves are predictable), so it cannot inject bytes into a read
+(tests/transfer/test_tag_injection.py).
 
 Control frames carry ``[payload nbytes : u32][crc32 : u32][payload]`` and are
 at most ``max_frame_nbytes``; a bigger, shorter or corrupted frame is a
@@ -30,10 +39,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import ucxx._lib.libucxx as ucx_api
-from ucxx._lib.arr import Array
 
 from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError, TransferError
-from kvbridge.transfer.ucx.ucp_lib import RequestParam, UcpRequest
+from kvbridge.transfer.ucx.ucp_lib import OP_FLAGS, STREAM_RECV_WAITALL, RequestParam, UcpRequest
 
 if TYPE_CHECKING:
     from kvbridge.transfer.ucx.worker import UcxWorker
@@ -49,10 +57,13 @@ ID_BITS = 28
 CHANNEL_BITS = 36
 MAX_CHANNEL = (1 << CHANNEL_BITS) - 1
 TAG_MASK_FULL = (1 << 64) - 1
-MAGIC = b"KVBUCX01"  # first bytes of the greeting each end sends on connect
-_HELLO = struct.Struct("<8sQ")  # magic, connection id
+#: First bytes of the greeting each end sends on connect. 02: 64-bit keys (01 sent
+#: 28-bit ids drawn from ``random``).
+MAGIC = b"KVBUCX02"
+_HELLO = struct.Struct("<8sQ")  # magic, connection key
 _FRAME_HEADER = struct.Struct("<II")  # payload nbytes, crc32
 _CONTIG = ctypes.byref(RequestParam(op_attr_mask=0))  # contiguous bytes, no callback
+_WAITALL = ctypes.byref(RequestParam(op_attr_mask=OP_FLAGS, flags=STREAM_RECV_WAITALL))
 
 #: contiguous uint8 memory: a numpy array, or a tensor (a CUDA one too: UCX finds
 #: the memory type from the address)
@@ -77,8 +88,8 @@ class UcxConnection:
 
     Attributes:
         peer: human-readable peer name for logs.
-        local_id: id in the tags of messages sent TO this end.
-        remote_id: id in the tags of messages this end sends.
+        local_id: key of the tags of messages sent TO this end (64 random bits).
+        remote_id: key of the tags of messages this end sends (the peer's).
     """
 
     def __init__(self, worker: UcxWorker, endpoint: Any, peer: str, local_id: int) -> None:
@@ -113,18 +124,22 @@ class UcxConnection:
             ) from None
 
     async def swap_ids(self, *, listener_side: bool, timeout_s: float) -> tuple[bytes, int]:
-        """Exchange connection ids over the stream channel (used by ``UcxWorker``)."""
+        """Exchange connection keys over the stream channel (used by ``UcxWorker``)."""
         mine = np.frombuffer(_HELLO.pack(MAGIC, self.local_id), dtype=np.uint8).copy()
         theirs = np.zeros(_HELLO.size, dtype=np.uint8)
+        lib, handle = self._worker.ucp, self._endpoint.handle
         steps = ("recv", "send") if listener_side else ("send", "recv")
         for step in steps:
             if step == "send":
-                arr = Array(mine)
-                request = self._endpoint.stream_send(arr)
+                value = lib.stream_send_nbx(handle, _address(mine), mine.nbytes, _CONTIG)
+                keep: object = mine
             else:
-                arr = Array(theirs)
-                request = self._endpoint.stream_recv(arr)
-            await self._wait(self._worker.track(request, arr, busy=False), timeout_s, "greeting")
+                length = ctypes.c_size_t()
+                value = lib.stream_recv_nbx(handle, _address(theirs), theirs.nbytes,
+                                            ctypes.byref(length), _WAITALL)
+                keep = (theirs, length)
+            request = UcpRequest(lib, value, f"greeting {step} {self.peer}", None)
+            await self._wait(self._worker.track(request, keep, busy=False), timeout_s, "greeting")
         magic, remote_id = _HELLO.unpack(theirs.tobytes())
         return bytes(magic), int(remote_id)
 
@@ -135,7 +150,7 @@ class UcxConnection:
     def _tag_value(conn_id: int, channel: int) -> int:
         if not 0 <= channel <= MAX_CHANNEL:
             raise ValueError(f"channel {channel} outside [0, {MAX_CHANNEL}]")
-        return (conn_id << CHANNEL_BITS) | channel
+        return conn_id ^ channel  # the key's top ID_BITS stay; its mask hides the channel
 
     # Raw access for operations ucxx lacks (iov.py posts them through libucp).
     def incoming_tag(self, channel: int) -> int:

@@ -24,11 +24,27 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.errors import PeerClosedError, ProtocolError, TransferError
+from kvbridge.transfer.errors import (
+    PeerClosedError,
+    PeerUnreachableError,
+    ProtocolError,
+    TransferError,
+)
 
 __all__ = [
+    "CONN_CALLBACK",
     "DATATYPE_IOV",
+    "EP_CLOSE_FORCE",
+    "EP_CONN_REQUEST",
+    "LISTENER_ATTR_SOCKADDR",
+    "LISTENER_CONN_HANDLER",
+    "LISTENER_SOCK_ADDR",
     "OP_DATATYPE",
+    "OP_FLAGS",
+    "STREAM_RECV_WAITALL",
+    "EpParams",
+    "ListenerAttr",
+    "ListenerParams",
     "SUPPORTED_UCP",
     "UCS_INPROGRESS",
     "UCS_OK",
@@ -52,9 +68,17 @@ SUPPORTED_UCP: tuple[tuple[int, int], tuple[int, int]] = ((1, 19), (1, 22))
 UCS_OK, UCS_INPROGRESS = 0, 1
 UCS_ERR_LAST = -100
 UCS_ERR_MESSAGE_TRUNCATED, UCS_ERR_CANCELED = -9, -16
+_LOST = (-24, -25)  # UCS_ERR_NOT_CONNECTED, UCS_ERR_CONNECTION_RESET
 # ucp_request_param_t op_attr_mask bits
 OP_DATATYPE = 1 << 3
+OP_FLAGS = 1 << 4
 DATATYPE_IOV = 2  # ucp_dt_make_iov()
+STREAM_RECV_WAITALL = 1 << 0  # ucp_stream_recv_flags_t: complete only when full
+EP_CLOSE_FORCE = 1 << 0  # ucp_ep_close_flags_t
+# ucp_listener_params_t / ucp_ep_params_t field_mask bits, ucp_listener_attr_t's
+LISTENER_SOCK_ADDR, LISTENER_CONN_HANDLER = 1 << 0, 1 << 2
+EP_CONN_REQUEST = 1 << 6
+LISTENER_ATTR_SOCKADDR = 1 << 0
 
 
 class UcpError(TransferError):
@@ -88,6 +112,52 @@ class RequestParam(ctypes.Structure):
         ("recv_info", ctypes.c_void_p),
         ("memh", ctypes.c_void_p),
     ]
+
+
+class SockAddr(ctypes.Structure):
+    """``ucs_sock_addr_t``."""
+
+    _fields_ = [("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32)]
+
+
+class Handler(ctypes.Structure):
+    """A ``{cb, arg}`` pair (``ucp_listener_conn_handler_t``, ``ucp_err_handler_t``)."""
+
+    _fields_ = [("cb", ctypes.c_void_p), ("arg", ctypes.c_void_p)]
+
+
+class ListenerParams(ctypes.Structure):
+    """``ucp_listener_params_t``."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("sockaddr", SockAddr),
+                ("accept_handler", Handler), ("conn_handler", Handler)]
+
+
+class ListenerAttr(ctypes.Structure):
+    """``ucp_listener_attr_t`` (``struct sockaddr_storage`` is 128 bytes, 8-aligned)."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("sockaddr", ctypes.c_ubyte * 128)]
+
+
+class EpParams(ctypes.Structure):
+    """``ucp_ep_params_t`` (UCX 1.21 ``ucp_def.h``)."""
+
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("err_mode", ctypes.c_int),
+        ("err_handler", Handler),
+        ("user_data", ctypes.c_void_p),
+        ("flags", ctypes.c_uint),
+        ("sockaddr", SockAddr),
+        ("conn_request", ctypes.c_void_p),
+        ("name", ctypes.c_char_p),
+        ("local_sockaddr", SockAddr),
+    ]
+
+
+#: ``ucp_listener_conn_callback_t``: ``void (*)(ucp_conn_request_h, void *arg)``
+CONN_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
 
 def _find_library(stem: str) -> str:
@@ -167,6 +237,15 @@ class UcpLibrary:
         self.request_free = _fn(ucp.ucp_request_free, None, vp)
         self.request_cancel = _fn(ucp.ucp_request_cancel, None, vp, vp)
         self.worker_progress = _fn(ucp.ucp_worker_progress, ctypes.c_uint, vp)
+        self.stream_send_nbx = _fn(ucp.ucp_stream_send_nbx, vp, vp, vp, sz, ptr(RequestParam))
+        self.stream_recv_nbx = _fn(ucp.ucp_stream_recv_nbx, vp, vp, vp, sz, ptr(sz),
+                                   ptr(RequestParam))
+        self.listener_create = _fn(ucp.ucp_listener_create, st, vp, ptr(ListenerParams), ptr(vp))
+        self.listener_query = _fn(ucp.ucp_listener_query, st, vp, ptr(ListenerAttr))
+        self.listener_reject = _fn(ucp.ucp_listener_reject, st, vp, vp)
+        self.listener_destroy = _fn(ucp.ucp_listener_destroy, None, vp)
+        self.ep_create = _fn(ucp.ucp_ep_create, st, vp, ptr(EpParams), ptr(vp))
+        self.ep_close_nbx = _fn(ucp.ucp_ep_close_nbx, vp, vp, ptr(RequestParam))
         self.status_string = _fn(ucs.ucs_status_string, ctypes.c_char_p, st)
 
     def status_name(self, status: int) -> str:
@@ -262,4 +341,8 @@ def _status_error(lib: UcpLibrary, what: str, status: int) -> TransferError:
         return ProtocolError(f"{what}: message larger than the posted buffer")
     if status == UCS_ERR_CANCELED:
         return PeerClosedError(f"{what}: canceled")
+    if status in _LOST or -89 <= status <= -40:  # link and endpoint failures
+        return PeerClosedError(f"{what}: connection lost ({lib.status_name(status)})")
+    if status in (-6, -23):  # UNREACHABLE, REJECTED
+        return PeerUnreachableError(f"{what}: peer unreachable ({lib.status_name(status)})")
     return UcpError(what, status, lib.status_name(status))

@@ -33,8 +33,14 @@ one does, for ever. Every ``_DRAIN_EVERY_S`` the driver receives and drops those
 that nothing will ask for (see ``_drain_stray``), so a peer sending junk tags
 cannot grow this process's memory.
 
+Connection keys (``connection.py``): 64 bits from ``secrets`` per connection end,
+the top ``ID_BITS`` unique in this worker. Nothing here draws from ``random``,
+which engines seed (vLLM seeds it with 0), so no peer can predict them.
+
+The listener (``listener.py``) binds the address it is given, not every interface.
+
 Why one module of ~450 lines: the progress driver, the stray drain, request
-tracking and connection ids all work on the worker's pending list and id set,
+tracking and connection keys all work on the worker's pending list and key set,
 which only this class may touch; the listener and connect add ~80 lines.
 """
 
@@ -43,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -65,10 +71,10 @@ from kvbridge.transfer.ucx.connection import (
     CHANNEL_BITS,
     ID_BITS,
     MAGIC,
-    MAX_CHANNEL,
     UcxConnection,
     ignore_outcome,
 )
+from kvbridge.transfer.ucx.listener import UcpListener
 from kvbridge.transfer.ucx.ucp_lib import UcpLibrary, UcpRequest
 
 __all__ = ["SAFE_TLS", "UcxWorker"]
@@ -178,13 +184,13 @@ class UcxWorker:
         self._stop_spin = False
         self._pending: list[_Pending] = []
         self._num_busy = 0
-        self._ids_in_use: set[int] = set()
+        self._keys_in_use: dict[int, int] = {}  # id (key >> CHANNEL_BITS) -> key
         self._next_drain = 0.0
         self._num_stray_dropped = 0
         self._wakeup = asyncio.Event()
         self._epoll_fd: int = self._worker.epoll_file_descriptor
         self._loop.add_reader(self._epoll_fd, self._wakeup.set)
-        self._listener: Any = None
+        self._listener: UcpListener | None = None
         self._self_endpoint: Any = None  # to this worker: completes abandoned receives
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -283,7 +289,7 @@ class UcxWorker:
             if not head.matched:
                 break
             tag: int = head.sender_tag.value
-            if tag & MAX_CHANNEL == 0 and tag >> CHANNEL_BITS in self._ids_in_use:
+            if self._keys_in_use.get(tag >> CHANNEL_BITS) == tag:  # channel 0 of a connection
                 break
             taken = self._worker.tag_probe(head.sender_tag, ucx_api.UCXXTagMaskFull, remove=True)
             if not taken.matched:
@@ -333,8 +339,8 @@ class UcxWorker:
 
     @property
     def num_connections(self) -> int:
-        """Connection ids in use (connections not yet closed or aborted)."""
-        return len(self._ids_in_use)
+        """Connection keys in use (connections not yet closed or aborted)."""
+        return len(self._keys_in_use)
 
     @property
     def num_tasks(self) -> int:
@@ -352,44 +358,63 @@ class UcxWorker:
 
     # ---------------------------------------------------------------- connections
     def _new_id(self) -> int:
+        """A fresh connection key: 64 random bits whose top ``ID_BITS`` are unused here."""
         while True:
-            conn_id = random.getrandbits(ID_BITS)
-            if conn_id and conn_id not in self._ids_in_use:
-                self._ids_in_use.add(conn_id)
-                return conn_id
+            key = secrets.randbits(ID_BITS + CHANNEL_BITS)
+            conn_id = key >> CHANNEL_BITS
+            if conn_id and conn_id not in self._keys_in_use:
+                self._keys_in_use[conn_id] = key
+                return key
 
-    def release_id(self, conn_id: int) -> None:
-        """Forget a closed connection's id so it can be drawn again."""
-        self._ids_in_use.discard(conn_id)
+    def release_id(self, key: int) -> None:
+        """Forget a closed connection's key so its id can be drawn again."""
+        if self._keys_in_use.get(key >> CHANNEL_BITS) == key:
+            del self._keys_in_use[key >> CHANNEL_BITS]
 
-    def listen(self, port: int, on_connect: ConnectHandler, *, timeout_s: float) -> int:
-        """Accept connections on ``port`` (0: any free port); return the bound port.
+    def listen(self, host: str, port: int, on_connect: ConnectHandler, *,
+               timeout_s: float) -> int:
+        """Accept connections on ``host:port`` (port 0: any free port); return the bound port.
 
         Args:
-            port: TCP port for UCX's socket connection manager, all interfaces.
+            host: address to bind: one of this host's addresses, the one peers are
+                told to connect to; ``"0.0.0.0"`` / ``"::"`` binds every interface
+                (for an address translated on the way, NAT or a container's port map).
+            port: TCP port for UCX's socket connection manager.
             on_connect: coroutine run (as its own task) for each accepted connection
-                once the ids are swapped; it owns the connection from then on.
-            timeout_s: deadline for a new peer to complete the id swap.
+                once the keys are swapped; it owns the connection from then on.
+            timeout_s: deadline for a new peer to complete the key swap.
 
         Raises:
-            PeerUnreachableError: the port could not be bound.
+            PeerUnreachableError: the address could not be bound.
         """
 
         def on_request(conn_request: int) -> None:
-            endpoint = ucx_api.UCXEndpoint.create_from_conn_request(
-                self._listener, conn_request, False
-            )
-            self.spawn(self._accept(endpoint, on_connect, timeout_s))
+            # Inside ucp_worker_progress, on this loop's thread (or UCX's async
+            # thread): create the endpoint later, from the loop.
+            self._loop.call_soon_threadsafe(self._on_request, conn_request, on_connect,
+                                            timeout_s)
 
+        if self._listener is not None:
+            raise PeerUnreachableError(f"already listening on port {self._listener.port}")
+        self._listener = UcpListener(self.ucp, self.handle, host, port, on_request)
+        logger.debug("listening on %s:%d", host, self._listener.port)
+        return self._listener.port
+
+    def _on_request(self, conn_request: int, on_connect: ConnectHandler, timeout_s: float
+                    ) -> None:
+        listener = self._listener
+        if self._closed or listener is None:
+            return
         try:
-            self._listener = ucx_api.UCXListener.create(
-                self._worker, port, on_request, deliver_endpoint=False
-            )
-        except Exception as exc:  # ucxx raises its own untyped hierarchy
-            raise PeerUnreachableError(f"cannot listen on port {port}: {exc}") from exc
-        bound: int = self._listener.port
-        logger.debug("listening on port %d", bound)
-        return bound
+            endpoint = listener.accept(conn_request, self._track_close)
+        except TransferError as exc:
+            logger.info("dropping incoming connection: %s", exc)
+            return
+        self.spawn(self._accept(endpoint, on_connect, timeout_s))
+
+    def _track_close(self, request: UcpRequest) -> None:
+        if not self._closed:
+            self.track(request, None, busy=False).add_done_callback(ignore_outcome)
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run ``coro`` as a task owned by this worker (cancelled on close)."""
@@ -409,8 +434,9 @@ class UcxWorker:
             logger.info("dropping incoming connection: %s", exc)
             conn.abort()
             return
-        if magic != MAGIC or not 0 < remote_id < (1 << ID_BITS):
-            logger.info("dropping incoming connection: bad greeting %r/%#x", magic, remote_id)
+        if magic != MAGIC or not remote_id >> CHANNEL_BITS:
+            logger.info("dropping incoming connection: bad greeting %r (a kvbridge agent "
+                        "greets with %r)", magic, MAGIC)
             conn.abort()
             return
         conn.remote_id = remote_id
@@ -432,8 +458,10 @@ class UcxWorker:
         conn = UcxConnection(self, endpoint, f"{host}:{port}", self._new_id())
         try:
             magic, remote_id = await conn.swap_ids(listener_side=False, timeout_s=timeout_s)
-            if magic != MAGIC or not 0 < remote_id < (1 << ID_BITS):
-                raise ProtocolError(f"{host}:{port} is not a kvbridge agent (greeting {magic!r})")
+            if magic != MAGIC or not remote_id >> CHANNEL_BITS:
+                raise ProtocolError(
+                    f"{host}:{port} greets with {magic!r}, not {MAGIC!r}: not a kvbridge agent, "
+                    f"or one of another version (run the same kvbridge on P and D)")
         except PeerClosedError as exc:  # e.g. nobody listens there: never connected
             conn.abort()
             raise PeerUnreachableError(f"cannot reach {host}:{port}: {exc}") from exc
@@ -453,6 +481,8 @@ class UcxWorker:
         self._loop.remove_reader(self._epoll_fd)
         self._driver.cancel()
         await asyncio.gather(self._driver, *self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         self._listener = None
         self._self_endpoint = None
         # Requests posted through libucp directly are ours to cancel and free
