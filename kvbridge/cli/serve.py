@@ -45,6 +45,7 @@ __all__ = [
 logger = logging.getLogger("kvbridge.serve")
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_SECRET_FIX = "pass --secret-file (or set $KVBRIDGE_SECRET), or --insecure"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 #: Words ``--transfer-option`` takes for a bool besides msgspec's true/false/1/0.
 _YES_NO = {"yes": "true", "no": "false"}
@@ -96,10 +97,18 @@ def add_serve_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
                    help="base port of the transfer agents (rank r listens on T + r); "
                    "enables the connector")
     p.add_argument("--transfer-host", default=None,
-                   help="address the transfer agents listen on and advertise (default: --host)")
+                   help="address the transfer agents advertise and listen on (default: --host)")
+    p.add_argument("--transfer-listen-host", default=None, metavar="ADDR",
+                   help="address the transfer agents listen on instead of --transfer-host "
+                   "(0.0.0.0: every interface, for an address translated by NAT)")
     p.add_argument("--engine-id", default=None, help="unique engine id (default: random)")
     p.add_argument("--secret-file", type=Path, default=None,
-                   help="file holding the cluster secret for handshake HMACs")
+                   help="file holding the cluster secret for handshake HMACs (default: "
+                   "$KVBRIDGE_SECRET, else on a loopback --transfer-host the secret this "
+                   "user's instances on this host share, made on first use)")
+    p.add_argument("--insecure", action="store_true",
+                   help="with no secret configured, run without authentication (needed "
+                   "for a non-loopback --transfer-host without a secret; logged)")
     p.add_argument("--lease", type=float, default=None, metavar="SECONDS",
                    help="how long P keeps a finished prefill's blocks for D")
     p.add_argument("--load-failure-policy", choices=["recompute", "fail"], default="recompute")
@@ -114,15 +123,6 @@ def add_serve_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
     return p
-
-
-def _read_secret(path: Path) -> bytes:
-    secret = path.read_bytes().strip()
-    if not secret:
-        raise ConfigError(f"secret file {path} is empty")
-    if path.stat().st_mode & 0o077:
-        logger.warning("secret file %s is readable by other users", path)
-    return secret
 
 
 def parse_agent_options(items: Sequence[str]) -> AgentConfig:
@@ -161,10 +161,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ConfigError: inconsistent flags (e.g. ``--role prefill`` without
             ``--transfer-port``) or values the engine rejects.
-        OSError: the secret file cannot be read.
+        ConfigError: also the secret file cannot be read, or a non-loopback
+            transfer host has no secret and no ``--insecure``.
     """
     from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig, EngineRole
     from kvbridge.topology import KVLayout
+    from kvbridge.transfer.protocol.cluster_secret import cluster_secret, is_loopback
+    from kvbridge.transfer.protocol.security import load_cluster_secret
 
     connector = None
     if args.transfer_port is not None:
@@ -172,6 +175,11 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         if transfer_host in _WILDCARD_HOSTS:
             raise ConfigError(f"--host {args.host!r} is not an address peers can reach: "
                               f"pass --transfer-host")
+        # A configured secret now; else the engine takes the host secret (one host) or
+        # runs insecure, and a non-loopback address without either fails here.
+        secret = load_cluster_secret(secret_file=args.secret_file)
+        if secret is None and not args.insecure and not is_loopback(transfer_host):
+            cluster_secret(transfer_host, fix=_SECRET_FIX)  # raises, naming the flags
         settings: dict[str, Any] = {"load_failure_policy": args.load_failure_policy,
                                     "host_buffer": args.host_buffer}
         if args.lease is not None:
@@ -181,7 +189,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         connector = ConnectorSettings(
             engine_id=args.engine_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
             transfer_base_port=args.transfer_port, host=transfer_host,
-            secret=_read_secret(args.secret_file) if args.secret_file else None, **settings)
+            secret=secret, insecure=args.insecure, listen_host=args.transfer_listen_host,
+            **settings)
     elif args.role != "both":
         raise ConfigError(f"--role {args.role} needs --transfer-port (the connector)")
     elif args.transfer_option:

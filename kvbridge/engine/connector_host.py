@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from kvbridge.connector.metadata import ConnectorMetadata
 from kvbridge.connector.outputs import KVConnectorOutput
 from kvbridge.connector.scheduler import ConnectorScheduler
@@ -24,9 +26,12 @@ from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.rank_worker import WorkerContext
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.protocol.cluster_secret import cluster_secret
 from kvbridge.transfer.protocol.security import CompatInfo
 
 __all__ = ["ConnectorWorkerHost", "ConnectorWorkerSpec", "build", "make_connector_worker"]
+
+_FIX = "pass --secret-file (or set $KVBRIDGE_SECRET), or --insecure"
 
 #: ``WorkerGroupConfig.worker_extension`` of engines with a connector.
 EXTENSION_PATH = "kvbridge.engine.connector_host:make_connector_worker"
@@ -81,10 +86,15 @@ def build(config: EngineConfig) -> tuple[ConnectorScheduler, str, ConnectorWorke
         settings.transfer_base_port, config.block_size, lease_s=settings.lease_s,
         load_failure_policy="fail" if settings.load_failure_policy == "fail" else "recompute",
     )
+    secret = settings.secret
+    if secret is None:  # zero config: the host secret on one host, else refuse or insecure
+        secret = cluster_secret(settings.host, insecure=settings.insecure, fix=_FIX)
+    agent = msgspec.structs.replace(settings.agent or AgentConfig(),
+                                    listen_host=settings.listen_host or settings.host)
     spec = ConnectorWorkerSpec(
         engine_id=settings.engine_id, topology=topology, compat=compat, host=settings.host,
-        base_port=settings.transfer_base_port, secret=settings.secret,
-        host_buffer=settings.host_buffer, agent=settings.agent,
+        base_port=settings.transfer_base_port, secret=secret,
+        host_buffer=settings.host_buffer, agent=agent,
     )
     return scheduler, EXTENSION_PATH, spec
 

@@ -41,10 +41,17 @@ class ConnectorSettings:
 
     Attributes:
         engine_id: This engine's id, unique in the cluster.
-        host: Address the transfer agents listen on and advertise.
+        host: Address the transfer agents advertise, and listen on unless
+            ``listen_host`` says otherwise.
+        listen_host: Address the agents bind instead (``"0.0.0.0"``: every
+            interface, for an advertised address translated by NAT).
         transfer_base_port: TP rank ``r``'s agent listens on ``base + r``; this
             is also the port P names in its ``kv_transfer_params``.
-        secret: Cluster secret for the handshake HMAC (``None``: no check).
+        secret: Cluster secret for the handshake HMAC. ``None``: ``$KVBRIDGE_SECRET``,
+            else (unless ``insecure``) this user's host secret on a loopback
+            ``host`` (``kvbridge/transfer/protocol/cluster_secret.py``); a
+            non-loopback ``host`` then refuses to start.
+        insecure: With no secret, run without authentication (logged at every start).
         lease_s: How long P keeps a finished request's blocks for readers.
         load_failure_policy: ``recompute`` (roll back to the first bad block)
             or ``fail`` (the request fails with an error).
@@ -60,6 +67,8 @@ class ConnectorSettings:
     transfer_base_port: int
     host: str = "127.0.0.1"
     secret: bytes | None = None
+    insecure: bool = False
+    listen_host: str | None = None
     lease_s: float = 30.0
     load_failure_policy: str = "recompute"
     host_buffer: bool = False

@@ -102,6 +102,7 @@ class AgentCounters:
 
     num_sessions: int  # server sessions open now
     num_sessions_total: int  # connections that reached the server since start
+    num_sessions_refused: int  # connections refused at AgentConfig.max_sessions
     num_serving_reads: int  # reads being served now (all sessions)
     num_copy_holds: int  # same-host copies holding their grant pinned now
     num_board_copies: int  # same-host copies made on the grant board's word since start
@@ -334,6 +335,7 @@ class TransferAgent:
             return AgentCounters(
                 num_sessions=len(ctx.sessions),
                 num_sessions_total=ctx.num_sessions_total,
+                num_sessions_refused=ctx.num_sessions_refused,
                 num_serving_reads=sum(len(s.reads) for s in ctx.sessions),
                 num_copy_holds=ctx.num_holds,
                 num_board_copies=ctx.num_board_copies,

@@ -356,10 +356,16 @@ class Served:
         return self.proc.returncode
 
 
+#: The cluster secret every lab server shares (as a multi-host deployment configures one).
+LAB_SECRET = "lab-secret-" + "0123456789abcdef" * 2
+
+
 def start(name: str, host: Host, argv: Sequence[str], log_dir: Path) -> Served:
     """Start ``python -m kvbridge.cli <argv>`` in ``host`` (UCX over TCP); no wait."""
     log_path = log_dir / f"{name}.log"
-    env = {**ucx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # lab hosts advertise non-loopback addresses: they need a cluster secret
+    env = {**ucx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "KVBRIDGE_SECRET": LAB_SECRET}
     with open(log_path, "a") as log:
         log.write(f"---- {' '.join(argv)}\n")
         log.flush()

@@ -218,6 +218,11 @@ def test_flags_build_the_engine_config(tmp_path: Path) -> None:
     assert (config.connector.engine_id, config.connector.host) == ("d7", "10.1.2.3")
     assert (config.connector.transfer_base_port, config.connector.lease_s) == (7000, 5.0)
     assert config.connector.secret == b"s3cret"
+    insecure = build_engine_config(serve_args(
+        "--transfer-port", "7000", "--transfer-host", "10.1.2.3", "--insecure",
+        "--transfer-listen-host", "0.0.0.0"))
+    assert insecure.connector is not None and insecure.connector.insecure
+    assert insecure.connector.secret is None and insecure.connector.listen_host == "0.0.0.0"
     colocated = build_engine_config(serve_args("--num-blocks", "50"))
     assert colocated.connector is None and colocated.num_blocks == 50
 
@@ -233,6 +238,10 @@ def test_bad_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
                                        str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="tp_size"):
         build_engine_config(serve_args("--tp", "3"))
+    # a non-loopback address needs a secret (or --insecure): peers there cannot know
+    # this host's own secret
+    with pytest.raises(ConfigError, match=r"'10.1.2.3' is reachable.*--secret-file.*--insecure"):
+        build_engine_config(serve_args("--transfer-port", "7000", "--transfer-host", "10.1.2.3"))
     before = signal.getsignal(signal.SIGTERM)
     assert main(["serve", "--role", "decode"]) == 2
     assert "kvbridge serve: error: --role decode needs --transfer-port" in capsys.readouterr().err

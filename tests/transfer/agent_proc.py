@@ -57,6 +57,9 @@ class Spec:
     manual_clock: bool = False  # the grant table's clock moves only on ``advance``
     shared: bool = False  # caches in shared memory (``kv_cache_zeros(shared=True)``)
     seed_random: int | None = None  # random.seed() in the child first, as vLLM seeds it
+    #: zero config as a user whose home is this: the secret is what
+    #: ``cluster_secret("127.0.0.1")`` finds there (``secret`` must be None)
+    zero_config_home: str | None = None
 
     def topology(self) -> EngineTopology:
         return EngineTopology(
@@ -136,9 +139,19 @@ def new_agent(
     """
     from kvbridge.transfer.agent import TransferAgent
 
+    secret = spec.secret
+    if spec.zero_config_home is not None:
+        import os
+
+        from kvbridge.transfer.protocol.cluster_secret import cluster_secret
+
+        for name in ("KVBRIDGE_SECRET", "KVBRIDGE_SECRET_DIR", "XDG_CACHE_HOME"):
+            os.environ.pop(name, None)
+        os.environ["HOME"] = spec.zero_config_home
+        secret = cluster_secret("127.0.0.1")
     agent = TransferAgent(
         spec.engine_id, spec.topology(), spec.tp_rank, 0, spec.compat(),
-        port=spec.port, secret=spec.secret, config=AgentConfig(**spec.config), clock=clock,
+        port=spec.port, secret=secret, config=AgentConfig(**spec.config), clock=clock,
     )
     caches = make_caches(spec)
     agent.register_kv_caches(caches)

@@ -1,8 +1,11 @@
 """``kv_connector_extra_config`` of the vLLM connector: what a deployment may set.
 
-Nothing is needed on one host; every field has a default that works there. A
-multi-host deployment sets at least ``host`` (the address D's workers reach P's
-workers at). Example ``--kv-transfer-config`` for a P on 10.0.0.1::
+Nothing is needed on one host; every field has a default that works there,
+authenticated: instances of the same user share a secret made on first use
+(``kvbridge/transfer/protocol/cluster_secret.py``). A multi-host deployment sets
+at least ``host`` (the address D's workers reach P's workers at) and a cluster
+secret (``secret_file`` or ``$KVBRIDGE_SECRET``, the same on every P and D), or
+says ``"insecure": true``. Example ``--kv-transfer-config`` for a P on 10.0.0.1::
 
     {"kv_connector": "KVBridgeConnector",
      "kv_connector_module_path": "kvbridge.integrations.vllm",
@@ -23,9 +26,13 @@ import msgspec
 
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.protocol.cluster_secret import cluster_secret, is_loopback
 from kvbridge.transfer.protocol.security import load_cluster_secret
 
 __all__ = ["VllmSettings", "for_data_parallel_rank", "parse_settings"]
+
+_FIX = ('set "secret_file" in kv_connector_extra_config (or $KVBRIDGE_SECRET in every '
+        'instance\'s environment), or "insecure": true')
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
@@ -36,17 +43,25 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     Attributes:
         host: address this engine's transfer agents are reached at, announced to
-            D in ``kv_transfer_params`` (``remote_host``). Agents listen on every
-            interface. Default ``127.0.0.1``: one host.
+            D in ``kv_transfer_params`` (``remote_host``), and the address they
+            listen on (unless ``listen_host``). Default ``127.0.0.1``: one host.
+        listen_host: the address the agents bind instead of ``host``:
+            ``"0.0.0.0"`` (every interface) when ``host`` is translated on the
+            way (NAT, a container's published port). Default: ``host``.
         base_port: 0 (default): each worker listens on a free port and P
             announces the list (``remote_ports``), so instances never collide.
             Else worker of global rank ``g`` listens on ``base_port + g`` (for
             firewalls that open fixed ports); with data parallelism, DP rank
             ``r``'s workers on ``base_port + r * TP * PP + g``
             (:func:`for_data_parallel_rank`).
-        secret_file: file holding the cluster secret: peers then prove they know
-            it (HMAC) before any KV moves. Default: ``$KVBRIDGE_SECRET`` if set,
-            else no authentication (trusted network only).
+        secret_file: file holding the cluster secret: peers prove they know it
+            (HMAC) before any KV moves. Default: ``$KVBRIDGE_SECRET`` if set, else
+            on a loopback ``host`` the secret this user's instances on this host
+            share (made on first use); a non-loopback ``host`` then refuses to
+            start unless ``insecure``.
+        insecure: run without authentication when no secret is configured (any
+            process that reaches the agents' ports may read and write the KV
+            cache): for a network you trust. Logged as a warning at every start.
         lease_s: how long P holds a finished prefill's blocks for D's readers
             if they do not report (they normally do within milliseconds).
         host_buffer: stage transfers through a host copy of the cache (GPU
@@ -70,7 +85,9 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)] = "127.0.0.1"
     base_port: Port = 0
+    listen_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)] | None = None
     secret_file: str | None = None
+    insecure: bool = False
     lease_s: Seconds = 30.0
     host_buffer: bool = False
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.02
@@ -85,17 +102,26 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ConfigError: an unknown field or a bad value.
         """
         try:
-            return AgentConfig.from_options({"lease_s": self.lease_s, **self.agent})
+            return AgentConfig.from_options({"lease_s": self.lease_s,
+                                             "listen_host": self.listen_host or self.host,
+                                             **self.agent})
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.agent: {exc}") from None
 
     def secret(self) -> bytes | None:
-        """The cluster secret (``secret_file``, else ``$KVBRIDGE_SECRET``), or None.
+        """The secret the agents authenticate with; None only with ``insecure``.
+
+        ``secret_file``, else ``$KVBRIDGE_SECRET``, else (``insecure``: None,
+        logged), else this user's host secret on a loopback ``host``
+        (:func:`kvbridge.transfer.protocol.cluster_secret.cluster_secret`).
 
         Raises:
-            ConfigError: the file cannot be read or is empty.
+            ConfigError: the file cannot be read or is empty; a non-loopback
+                ``host`` with no secret and not ``insecure``; a host secret
+                that is not private to this user.
         """
-        return load_cluster_secret(secret_file=self.secret_file)
+        return cluster_secret(self.host, secret_file=self.secret_file, insecure=self.insecure,
+                              fix=_FIX)
 
 
 def parse_settings(extra_config: object) -> VllmSettings:
@@ -117,6 +143,9 @@ def parse_settings(extra_config: object) -> VllmSettings:
         raise ConfigError(f"kv_connector_extra_config.base_port {settings.base_port}: use 0 "
                           f"(free ports) or a port >= 1024")
     settings.agent_config()  # fail at start-up, not at the first transfer
+    if (not settings.insecure and not is_loopback(settings.host)
+            and load_cluster_secret(secret_file=settings.secret_file) is None):
+        settings.secret()  # raises, naming the fix, before vLLM builds anything more
     return settings
 
 

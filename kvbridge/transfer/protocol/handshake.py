@@ -43,6 +43,9 @@ class Identity:
 
 
 _SERVER_CACHE = "; server cache "
+_SAME = (": P and D must share one secret (the same secret_file or $KVBRIDGE_SECRET; with "
+         "neither, instances of the same user on one host share theirs, and \"insecure\" "
+         "turns it off on both)")
 
 
 def compat_reason(mine: security.CompatInfo | None, message: str) -> str:
@@ -151,7 +154,7 @@ async def serve_handshake(
             "reader", hello.engine_id, hello.rank, me.engine_id, me.rank
         )
         if hello.proof is None or not security.verify(me.secret, nonce, context, hello.proof):
-            problem = (wire.RejectReason.AUTH, "missing or wrong cluster secret proof")
+            problem = (wire.RejectReason.AUTH, "missing or wrong cluster secret proof" + _SAME)
         elif len(hello.nonce) != security.NONCE_NBYTES:
             problem = (wire.RejectReason.AUTH, f"reader nonce of {len(hello.nonce)} bytes")
     if problem is not None:
@@ -186,11 +189,14 @@ async def reader_handshake(
     """Run the reader side; return the server's verified metadata.
 
     Raises:
-        RejectedError: the server refused us (reason in ``.reason``).
+        RejectedError: the server refused us (reason in ``.reason``; ``BUSY``
+            before any challenge: it serves as many connections as it may).
         ProtocolError: unexpected message, wrong engine/rank, or a bad server proof.
         PeerTimeoutError, PeerClosedError: the server went silent or away.
     """
     challenge = await recv_msg(conn, codec, max_nbytes, timeout_s)
+    if isinstance(challenge, wire.Reject):  # e.g. a server at its session cap
+        raise RejectedError(challenge.reason, challenge.message)
     if not isinstance(challenge, wire.Challenge):
         raise ProtocolError(f"expected Challenge from {conn.peer}, got {type(challenge).__name__}")
     if len(challenge.nonce) != security.NONCE_NBYTES:
@@ -228,5 +234,5 @@ async def reader_handshake(
             "server", me.engine_id, me.rank, server_engine_id, server_rank
         )
         if reply.proof is None or not security.verify(me.secret, nonce, context, reply.proof):
-            raise ProtocolError(f"{conn.peer} failed to prove the cluster secret")
+            raise ProtocolError(f"{conn.peer} failed to prove the cluster secret" + _SAME)
     return reply

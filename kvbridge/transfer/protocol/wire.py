@@ -109,6 +109,7 @@ class RejectReason(StrEnum):
     PROMPT_MISMATCH = "prompt_mismatch"  # the grant holds another prompt's KV
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
+    BUSY = "busy"  # the server serves AgentConfig.max_sessions connections already
 
 
 class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):

@@ -65,6 +65,7 @@ class ServerContext:
     issued: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: set[Session] = field(default_factory=set)  # open sessions
     num_sessions_total: int = 0
+    num_sessions_refused: int = 0  # connections refused at max_sessions
     num_bytes_served: int = 0  # KV bytes of reads served to the end
     num_data_bytes_sent: int = 0  # KV bytes handed to UCX on data channels
     num_reads_served: int = 0

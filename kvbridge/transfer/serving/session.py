@@ -58,7 +58,20 @@ R = wire.RejectReason
 
 
 async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
-    """Run one session to its end; never raises (failures are logged)."""
+    """Run one session to its end; never raises (failures are logged).
+
+    A connection beyond ``AgentConfig.max_sessions`` open ones is refused at once
+    (``Reject(BUSY)`` instead of a ``Challenge``), so a flood of connections takes
+    neither memory nor tasks beyond the cap; one that fails the handshake is
+    closed as soon as it is told why.
+    """
+    if len(ctx.sessions) >= ctx.config.max_sessions:
+        ctx.num_sessions_refused += 1
+        await reject(conn, ctx.codec, R.BUSY,
+                     f"this agent serves {len(ctx.sessions)} connections, its max_sessions: "
+                     f"retry later, or raise AgentConfig.max_sessions on the server")
+        conn.abort()
+        return
     session = Session()
     ctx.sessions.add(session)
     ctx.num_sessions_total += 1
