@@ -245,7 +245,7 @@ class TransferAgent:
         executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-copy")
         server_ctx = ServerContext(
             self._me, self._local, self.grants, cfg,
-            BufferPool(cfg.num_serve_buffers, self._local.layers[0].device),
+            BufferPool(cfg.num_serve_buffers, self._local.layers[0].device, cfg.chunk_nbytes),
             executor, self._clock,
         )
         copier = None
@@ -258,7 +258,8 @@ class TransferAgent:
             copier = Copier(cfg.copy_threads)
         reader_ctx = ReaderContext(
             self._me, self._local, cfg,
-            BufferPool(cfg.num_read_slots * cfg.window_chunks, self._local.layers[0].device),
+            BufferPool(cfg.num_read_slots * cfg.window_chunks, self._local.layers[0].device,
+                       cfg.chunk_nbytes),
             executor, copier=copier,
         )
         reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}",

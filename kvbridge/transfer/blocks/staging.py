@@ -37,16 +37,22 @@ class BufferPool:
         num_buffers: buffers in the pool (> 0).
         device: where the buffers are: ``cpu`` (numpy arrays) or a CUDA device
             (uint8 tensors).
+        keep_nbytes: a buffer larger than this is freed when it comes back
+            instead of kept for reuse (None: keep all). The agent passes its
+            ``chunk_nbytes``: chunks are larger only when one block is, and one
+            read of a peer with huge blocks must not pin that much memory for good.
 
     Raises:
         ConfigError: ``num_buffers < 1``.
     """
 
-    def __init__(self, num_buffers: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_buffers: int, device: torch.device | str = "cpu",
+                 keep_nbytes: int | None = None) -> None:
         if num_buffers < 1:
             raise ConfigError(f"num_buffers must be >= 1, got {num_buffers}")
         self.num_buffers = num_buffers
         self.device = torch.device(device)
+        self.keep_nbytes = keep_nbytes
         self._free: list[Buffer] = []
         self._num_lent = 0
         self._available = asyncio.Semaphore(num_buffers)
@@ -79,6 +85,11 @@ class BufferPool:
         return [self._take(nbytes) for _ in range(count)]
 
     @property
+    def num_kept_nbytes(self) -> int:
+        """Bytes of the buffers kept for reuse (not lent out)."""
+        return sum(int(buf.nbytes) for buf in self._free)
+
+    @property
     def num_lent(self) -> int:
         """Buffers lent out and not yet released or discarded."""
         return self._num_lent
@@ -94,8 +105,9 @@ class BufferPool:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def release(self, buf: Buffer) -> None:
-        """Give a buffer back for reuse."""
-        self._free.append(buf)
+        """Give a buffer back for reuse (freed instead if larger than ``keep_nbytes``)."""
+        if self.keep_nbytes is None or buf.nbytes <= self.keep_nbytes:
+            self._free.append(buf)
         self._num_lent -= 1
         self._available.release()
 

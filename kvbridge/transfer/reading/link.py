@@ -49,6 +49,7 @@ from kvbridge.transfer.protocol.handshake import reader_handshake, recv_msg, sen
 from kvbridge.transfer.reading.direct import DirectRead
 from kvbridge.transfer.reading.jobs import ReadJob
 from kvbridge.transfer.reading.same_host import SameHostCopy, SameHostPeer
+from kvbridge.transfer.reading.server_meta import check_server_meta
 from kvbridge.transfer.reading.staged import StagedRead
 from kvbridge.transfer.reading.strategy import (
     BegunRead,
@@ -94,7 +95,8 @@ class PeerLink:
         """Connect and handshake with ``engine_id`` rank ``rank`` at ``host:port``.
 
         Raises:
-            PeerUnreachableError, PeerTimeoutError, RejectedError, ProtocolError.
+            PeerUnreachableError, PeerTimeoutError, RejectedError, ProtocolError
+            (also: the server's metadata does not fit our cache, ``server_meta.py``).
         """
         cfg = ctx.config
         conn = await worker.connect(host, port, timeout_s=cfg.connect_timeout_s)
@@ -103,6 +105,7 @@ class PeerLink:
                 conn, ctx.codec, ctx.me, engine_id, rank,
                 max_nbytes=cfg.max_frame_nbytes, timeout_s=cfg.handshake_timeout_s,
             )
+            check_server_meta(meta, ctx.local, conn.peer)  # before anything is sized on it
         except BaseException:
             conn.abort()
             raise

@@ -1,0 +1,73 @@
+"""Check a server's handshake metadata against this reader's own cache, before any use.
+
+``PeerLink.open`` calls :func:`check_server_meta` right after the handshake. The
+metadata sizes everything a read allocates (staging buffers are
+``chunk_blocks * block_nbytes`` of the *server's* blocks) and plans every byte
+range, so a server that is wrong about its cache (a bug, or a peer that knows
+the secret and lies) must be caught here, with a typed error naming the field,
+not by an allocation of whatever size it claims or a read planned on it.
+
+What must agree is what the compatibility hash already binds (head size,
+element size, MLA, fused K/V, KV heads); what may differ (layout, block size,
+TP/PP) must be self-consistent and within what this reader's cache could ever
+hold: no remote block larger than our whole cache, no block byte count other
+than its shape implies.
+"""
+
+from __future__ import annotations
+
+from kvbridge.topology import KVLayout
+from kvbridge.transfer.errors import ProtocolError
+from kvbridge.transfer.local_kv import LocalKV
+from kvbridge.transfer.protocol import wire
+
+__all__ = ["check_server_meta"]
+
+
+def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
+    topo = local.topology
+    problems = [
+        f"{name} {theirs} != ours {ours}"
+        for name, theirs, ours in (
+            ("head_dim", meta.head_dim, local.head_dim),
+            ("elem_nbytes", meta.elem_nbytes, local.elem_nbytes),
+            ("is_mla", meta.is_mla, topo.is_mla),
+            ("fused_kv", meta.fused_kv, topo.fused_kv),
+            ("num_kv_heads", meta.num_kv_heads, topo.num_kv_heads),
+        )
+        if theirs != ours
+    ]
+    try:
+        KVLayout.parse(meta.layout)
+    except ValueError as exc:
+        problems.append(f"layout: {exc}")
+    if meta.tp_rank >= meta.tp_size or meta.pp_rank >= meta.pp_size:
+        problems.append(f"rank tp {meta.tp_rank}/{meta.tp_size} pp {meta.pp_rank}/{meta.pp_size}")
+    if meta.num_heads > meta.num_kv_heads:
+        problems.append(f"num_heads {meta.num_heads} > num_kv_heads {meta.num_kv_heads}")
+    if meta.num_layers > meta.num_model_layers:
+        problems.append(f"num_layers {meta.num_layers} > num_model_layers "
+                        f"{meta.num_model_layers}")
+    our_tokens = local.num_blocks * topo.block_size
+    if meta.block_size > our_tokens:  # could never land here: refuse before sizing on it
+        problems.append(f"block_size {meta.block_size} > the {our_tokens} tokens our whole "
+                        f"cache holds")
+    num_planes = 1 if meta.is_mla or meta.fused_kv else 2
+    block_nbytes = meta.block_size * meta.num_heads * meta.head_dim * meta.elem_nbytes * num_planes
+    if len(meta.layer_block_nbytes) != meta.num_layers or any(
+            n != block_nbytes for n in meta.layer_block_nbytes):
+        problems.append(f"layer_block_nbytes {meta.layer_block_nbytes[:4]}... for "
+                        f"{meta.num_layers} layers of {block_nbytes}-byte blocks")
+    return problems
+
+
+def check_server_meta(meta: wire.AgentMetadata, local: LocalKV, peer: str) -> None:
+    """Raise unless ``meta`` describes a cache this reader can read from.
+
+    Raises:
+        ProtocolError: naming every field that is wrong (the link is not opened).
+    """
+    problems = _problems(meta, local)
+    if problems:
+        raise ProtocolError(f"{peer} describes a cache this reader cannot read from: "
+                            f"{'; '.join(problems)}")
