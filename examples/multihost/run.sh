@@ -81,11 +81,16 @@ in_host() {  # in_host NAMESPACE LOGNAME ARGS... : kvbridge in that host, in the
     echo "started $name in $ns: kvbridge $*"
 }
 
-# 2. P (TP 2) and D (TP 1), each listening on its own host's address.
+# 2. P (TP 2) and D (TP 1), each listening on its own host's address, sharing one
+# cluster secret (servers on addresses other hosts reach refuse to start without one).
+SECRET_FILE="$LOG_DIR/secret"
+(umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' >"$SECRET_FILE")
 in_host "$P_NS" prefill serve --role prefill --tp 2 --block-size 16 --kv-layout HND \
-    --host "$P_IP" --port "$HTTP_PORT" --transfer-port "$TRANSFER_PORT" --engine-id prefill-0
+    --host "$P_IP" --port "$HTTP_PORT" --transfer-port "$TRANSFER_PORT" --engine-id prefill-0 \
+    --secret-file "$SECRET_FILE"
 in_host "$D_NS" decode serve --role decode --tp 1 --block-size 32 --kv-layout HND \
-    --host "$D_IP" --port "$HTTP_PORT" --transfer-port "$TRANSFER_PORT" --engine-id decode-0
+    --host "$D_IP" --port "$HTTP_PORT" --transfer-port "$TRANSFER_PORT" --engine-id decode-0 \
+    --secret-file "$SECRET_FILE"
 # 3. The proxy on a third host.
 in_host "$X_NS" proxy proxy --prefill "http://$P_IP:$HTTP_PORT" --decode "http://$D_IP:$HTTP_PORT" \
     --host "$X_IP" --port "$HTTP_PORT"

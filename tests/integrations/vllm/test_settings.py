@@ -78,3 +78,19 @@ def test_data_parallel_ranks_never_share_a_fixed_port() -> None:
     assert for_data_parallel_rank(free, 3, 2).base_port == 0  # free ports: nothing to move
     with pytest.raises(ConfigError, match="data-parallel rank 4 would listen on ports 65538"):
         for_data_parallel_rank(parse_settings({"base_port": 65530}), 4, 2)
+
+
+def test_a_reachable_host_needs_a_secret_or_insecure(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.setenv("KVBRIDGE_SECRET_DIR", str(tmp_path / "kvb"))
+    with pytest.raises(ConfigError, match=r"'10.0.0.1' is reachable.*secret_file.*insecure"):
+        parse_settings({"host": "10.0.0.1"})
+    insecure = parse_settings({"host": "10.0.0.1", "insecure": True,
+                               "listen_host": "0.0.0.0"})
+    assert insecure.secret() is None
+    assert insecure.agent_config().listen_host == "0.0.0.0"
+    # zero config on one host: authenticated by this user's host secret, bound to host
+    local = parse_settings({})
+    assert local.secret() == (tmp_path / "kvb" / "secret").read_bytes().strip()
+    assert local.agent_config().listen_host == "127.0.0.1"
