@@ -227,6 +227,23 @@ def test_flags_build_the_engine_config(tmp_path: Path) -> None:
     assert colocated.connector is None and colocated.num_blocks == 50
 
 
+def test_zero_config_engines_authenticate_and_bind_the_advertised_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the engine hands its TP workers: the host secret, the listener's address."""
+    from kvbridge.engine.connector_host import build
+
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.setenv("KVBRIDGE_SECRET_DIR", str(tmp_path / "kvb"))
+    _, _, spec = build(build_engine_config(serve_args("--transfer-port", "7000")))
+    assert spec.secret == (tmp_path / "kvb" / "secret").read_bytes().strip()
+    assert spec.agent is not None and spec.agent.listen_host == "127.0.0.1"
+    _, _, spec = build(build_engine_config(serve_args(
+        "--transfer-port", "7000", "--transfer-host", "10.1.2.3", "--insecure",
+        "--transfer-listen-host", "0.0.0.0")))
+    assert spec.secret is None and spec.host == "10.1.2.3"
+    assert spec.agent is not None and spec.agent.listen_host == "0.0.0.0"
+
+
 def test_bad_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="--transfer-port"):
         build_engine_config(serve_args("--role", "prefill"))
