@@ -24,9 +24,10 @@ unless ``stop_spinning`` said another thread of the process needs the GIL;
 otherwise it arms the worker and sleeps on its epoll file descriptor, with a
 short safety timeout in case a transport misses a wakeup.
 
-Tagged sends and receives go through libucp directly (``ucp_lib``: cheaper per
-call than ucxx's wrappers, which matters on the per-request path); ucxx still
-creates the context, worker, listener and endpoints and swaps the greetings.
+Tagged sends and receives, the greetings (stream) and the listener go through
+libucp directly (``ucp_lib``, ``listener.py``: cheaper per call than ucxx's
+wrappers, which matters on the per-request path, and a listener that binds one
+address); ucxx still creates the context, the worker and outgoing endpoints.
 
 Stray messages: UCX keeps a tagged message that no posted receive matches until
 one does, for ever. Every ``_DRAIN_EVERY_S`` the driver receives and drops those
