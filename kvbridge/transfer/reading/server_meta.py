@@ -16,12 +16,15 @@ than its shape implies.
 
 from __future__ import annotations
 
-from kvbridge.topology import KVLayout
+from kvbridge.errors import ConfigError
 from kvbridge.transfer.errors import ProtocolError
-from kvbridge.transfer.local_kv import LocalKV
+from kvbridge.transfer.local_kv import LocalKV, topology_of
 from kvbridge.transfer.protocol import wire
 
-__all__ = ["check_server_meta"]
+__all__ = ["MAX_RANKS", "check_server_meta"]
+
+#: Ranks (TP x PP) a server's engine may claim: plans loop over them.
+MAX_RANKS = 1 << 16
 
 
 def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
@@ -37,12 +40,23 @@ def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
         )
         if theirs != ours
     ]
-    try:
-        KVLayout.parse(meta.layout)
-    except ValueError as exc:
-        problems.append(f"layout: {exc}")
-    if meta.tp_rank >= meta.tp_size or meta.pp_rank >= meta.pp_size:
+    if meta.tp_size * meta.pp_size > MAX_RANKS:
+        problems.append(f"{meta.tp_size} x {meta.pp_size} ranks > {MAX_RANKS}")
+    elif meta.tp_rank >= meta.tp_size or meta.pp_rank >= meta.pp_size:
         problems.append(f"rank tp {meta.tp_rank}/{meta.tp_size} pp {meta.pp_rank}/{meta.pp_size}")
+    else:  # what its rank must hold, by its own engine's shape
+        try:
+            theirs = topology_of(meta)
+        except (ConfigError, ValueError) as exc:
+            problems.append(f"no engine shape: {exc}")
+        else:
+            if meta.num_heads != theirs.num_heads_per_rank:
+                problems.append(f"num_heads {meta.num_heads} != {theirs.num_heads_per_rank} per "
+                                f"rank of {meta.num_kv_heads} over TP {meta.tp_size}")
+            num_layers = len(theirs.layers_of(meta.pp_rank))
+            if meta.num_layers != num_layers:
+                problems.append(f"num_layers {meta.num_layers} != {num_layers} of PP rank "
+                                f"{meta.pp_rank}")
     if meta.num_heads > meta.num_kv_heads:
         problems.append(f"num_heads {meta.num_heads} > num_kv_heads {meta.num_kv_heads}")
     if meta.num_layers > meta.num_model_layers:
