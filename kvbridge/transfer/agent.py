@@ -61,7 +61,7 @@ from kvbridge.transfer.blocks.staging import BufferPool
 from kvbridge.transfer.clock import Clock, MonotonicClock
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.local_kv import LocalKV, topology_info
-from kvbridge.transfer.protocol.grant_board import GrantBoard
+from kvbridge.transfer.protocol.grant_board import GrantBoard, board_supported
 from kvbridge.transfer.protocol.handshake import Identity
 from kvbridge.transfer.protocol.host import ProbeCell, allowed, host_memory
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
@@ -251,7 +251,8 @@ class TransferAgent:
         copier = None
         if allowed(cfg.local_copy) and host_memory(self._local.layers):
             server_ctx.probe = ProbeCell()
-            board = GrantBoard(self._local.place) if cfg.grant_board else None
+            board = (GrantBoard(self._local.place) if cfg.grant_board and board_supported()
+                     else None)
             if board is not None:
                 self.grants.attach_board(board)  # grants issued from now on
             server_ctx.host = server_ctx.probe.host_info(board)

@@ -47,11 +47,25 @@ reader finds it with one read of ``WINDOW`` slots.
 Where it can, the board lives in a ``memfd`` (``GrantBoard.fd``) that a reader
 maps read-only through ``/proc/<pid>/fd/<fd>`` (the same permission as
 ``process_vm_readv``): then finding a grant is plain loads from the reader's own
-mapping, no system call (``reading/copier.py``). The loads keep the order above
-(a slot's seq first, then its fields) since each is its own Python operation, in
-program order; x86 keeps loads in order. After the slots comes the board's tag
+mapping, no system call (``reading/copier.py``). After the slots comes the board's tag
 (``TAG_NBYTES`` random bytes): a reader compares it through ``process_vm_readv``
 at the advertised address with its mapping's before it trusts the mapping.
+
+The order of loads and stores, on any CPU (``memory_fence``). The writer puts a
+full fence between the odd seq and the fields, and between the fields and the
+even seq (and after a withdraw's seq, before the blocks go back). A reader of
+the mapped board loads the window's seqs, fences, then loads the fields
+(``find_grant``), and fences again after its copy before it loads the seq once
+more (``slot_seq``). x86 (TSO) keeps loads in order with loads and stores with
+stores, and each Python operation is its own C call (no compiler reorders
+across it): there the fence is a no-op. Elsewhere (aarch64: GH200/GB200 hosts)
+it is libatomic's ``atomic_thread_fence(memory_order_seq_cst)`` (``dmb ish``);
+where that is not loadable, no board is offered and none is mapped (the reader
+asks the server; ``board_supported``). Reads through ``process_vm_readv`` need no
+fence of ours: the kernel copies each remote iovec after pinning its pages and
+unpins them (a value-returning atomic, fully ordered) before the next
+(``mm/process_vm_access.c``), so a slot's seq row is loaded before its fields,
+and the blocks before the seq copied after them.
 
 Where the blocks are the board does not say: the reader takes that from an
 earlier ``CopyGo``, and only if the go's ``place`` (a fingerprint of the cache
@@ -65,13 +79,16 @@ caches that move while grants are live are not supported on any path.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import logging
 import mmap
 import os
+import platform
 import secrets
 import struct
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -86,8 +103,11 @@ __all__ = [
     "WINDOW",
     "BoardSpot",
     "GrantBoard",
+    "board_supported",
     "find_grant",
     "home_slot",
+    "memory_fence",
+    "slot_seq",
     "token_digest",
 ]
 
@@ -102,8 +122,51 @@ _SEQ, _TOKEN, _PROMPT, _DEADLINE, _COUNT, _PLACE = 0, 1, 3, 5, 6, 7
 _BOUND = 1 << 32
 _MAX_ID = (1 << 32) - 1
 TAG_NBYTES = 16
-# a slot's header in one unpack (its fields in address order, so the seq is loaded first)
-_HEADER = struct.Struct("<Q16s16sdQQ")
+# a slot's header after its seq, in one unpack (the seq is loaded apart, before a fence)
+_FIELDS = struct.Struct("<16s16sdQQ")
+_U64 = struct.Struct("<Q")
+# CPUs that keep loads in order with loads and stores with stores (TSO)
+_ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
+_SEQ_CST = 5  # C11 memory_order_seq_cst
+
+
+def _no_fence() -> None:
+    """Nothing to do: the CPU keeps the order (see ``memory_fence``)."""
+
+
+def _libatomic_fence() -> Callable[[], None] | None:
+    """libatomic's ``atomic_thread_fence(memory_order_seq_cst)``, or None if not loadable."""
+    for name in ("libatomic.so.1", ctypes.util.find_library("atomic")):
+        if not name:
+            continue
+        try:
+            fence = ctypes.CDLL(name).atomic_thread_fence
+        except (OSError, AttributeError):
+            continue
+        fence.argtypes, fence.restype = [ctypes.c_int], None
+        return functools.partial(fence, _SEQ_CST)
+    return None
+
+
+@functools.cache
+def memory_fence() -> Callable[[], None] | None:
+    """A full memory fence for the board on this CPU (see the module doc); None: none here.
+
+    A no-op on x86; libatomic's fence elsewhere; None where that is not loadable.
+    """
+    machine = platform.machine().lower()
+    if machine in _ORDERED_MACHINES:
+        return _no_fence
+    fence = _libatomic_fence()
+    if fence is None:
+        logger.warning("no memory fence on this %s CPU (libatomic.so.1 not loadable): no "
+                       "grant board, same-host reads ask the server for each grant", machine)
+    return fence
+
+
+def board_supported() -> bool:
+    """This process can write a board, or read a mapped one, in the right order."""
+    return memory_fence() is not None
 
 
 _TOKEN_HASH = hashlib.blake2b(digest_size=16, person=b"kvbridge-grant")
@@ -150,6 +213,10 @@ class GrantBoard:
     """
 
     def __init__(self, place: Callable[[], int], num_slots: int = NUM_SLOTS) -> None:
+        fence = memory_fence()
+        if fence is None:
+            raise RuntimeError("no memory fence on this CPU: check board_supported() first")
+        self._fence = fence
         self._place = place
         self.num_slots = num_slots
         rows = num_slots + WINDOW - 1
@@ -166,7 +233,6 @@ class GrantBoard:
         self._ids = self._buf.view(np.uint32).reshape(rows, SLOT_NBYTES // 4)[:, 2 * _HEADER_WORDS:]
         self._used = np.zeros(rows, dtype=bool)
         self._slot_of: dict[str, int] = {}
-        self._fence_lock = threading.Lock()
 
     @property
     def address(self) -> int:
@@ -175,11 +241,6 @@ class GrantBoard:
 
     def __len__(self) -> int:
         return len(self._slot_of)
-
-    def _fence(self) -> None:
-        # A release then an acquire: stores before it are visible before stores after it.
-        with self._fence_lock:
-            pass
 
     def publish(self, token: str, block_ids: Sequence[int], deadline_in_s: float,
                 prompt_digest: bytes | None) -> bool:
@@ -245,9 +306,17 @@ class BoardSpot(NamedTuple):
     seq: int
 
 
+def slot_seq(board: bytes | mmap.mmap, at: int, fence: Callable[[], None]) -> int:
+    """The seq at offset ``at`` of the mapped ``board``, loaded after every load before
+    this call (``fence``: ``memory_fence()``)."""
+    fence()
+    return int(_U64.unpack_from(board, at)[0])
+
+
 def find_grant(
     board: bytes | mmap.mmap, first: int, board_address: int, digest: bytes,
     block_ids: Sequence[int], prompt_digest: bytes, now: float, place: int,
+    fence: Callable[[], None] | None = None,
 ) -> BoardSpot | None:
     """The slot among ``WINDOW`` from offset ``first`` of ``board`` that allows the read,
     or None.
@@ -257,11 +326,20 @@ def find_grant(
     token's ``digest``, every block id in the slot's, the read's prompt digest if
     the grant names one, ``now`` before the deadline, and the caches where ``place``
     (from the go the reader copies by) says.
+
+    ``fence``: ``memory_fence()`` when ``board`` is a map of the live board (the
+    window's seqs are loaded before it, the fields after); None for a copy.
     """
     end = min(first + WINDOW * SLOT_NBYTES, len(board) - SLOT_NBYTES + 1)
-    for start in range(first, end, SLOT_NBYTES):
-        seq, token, prompt, deadline, count, slot_place = _HEADER.unpack_from(board, start)
-        if seq == 0 or seq & 1 or token != digest:
+    starts = range(first, end, SLOT_NBYTES)
+    seqs = [_U64.unpack_from(board, start)[0] for start in starts]
+    if fence is not None:
+        fence()
+    for start, seq in zip(starts, seqs, strict=True):
+        if seq == 0 or seq & 1:
+            continue
+        token, prompt, deadline, count, slot_place = _FIELDS.unpack_from(board, start + 8)
+        if token != digest:
             continue
         num_blocks = count & _MAX_ID
         if num_blocks > MAX_BLOCKS or not now < deadline or not place or slot_place != place:

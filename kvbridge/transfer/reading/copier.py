@@ -50,8 +50,11 @@ from kvbridge.transfer.protocol.grant_board import (
     TAG_NBYTES,
     WINDOW,
     BoardSpot,
+    board_supported,
     find_grant,
     home_slot,
+    memory_fence,
+    slot_seq,
     token_digest,
 )
 from kvbridge.transfer.protocol.host import host_identity, map_shared
@@ -141,6 +144,11 @@ def memmove_rows(local: IovArray, theirs: IovArray) -> list[MemmoveArgs]:
                    strict=True)]
 
 
+def _unmapped() -> None:
+    """Never called: without a memory fence nothing of the server's is mapped."""
+    raise AssertionError("no memory fence on this CPU: nothing may be mapped")
+
+
 class CopySource:
     """A server process this reader may copy from. Create with :meth:`open`."""
 
@@ -165,6 +173,7 @@ class CopySource:
         self._lock = threading.Lock()
         self._board_fd = info.board_fd
         self._board: mmap.mmap | None = None  # the board itself, mapped (``_map_board``)
+        self._fence = memory_fence() or _unmapped  # what orders loads from the maps
         # The server's caches where it offers them (``HostInfo.regions``), mapped: for
         # the caches at ``_regions_place`` only (``mapped_rows``).
         self._regions_place = info.place
@@ -194,7 +203,7 @@ class CopySource:
     def _map_regions(self, regions: bytes) -> None:
         """Map every memfd the server's caches are in (``HostInfo.regions``), each checked
         by its inode; all or none (the copies then go through ``process_vm_readv``)."""
-        if not regions or len(regions) % 32 or not self._regions_place:
+        if not regions or len(regions) % 32 or not self._regions_place or not board_supported():
             return
         quads = np.frombuffer(regions, dtype=np.uint64).reshape(-1, 4)
         if (quads[:, :2] >= np.uint64(1 << 63)).any():  # so address + nbytes cannot wrap
@@ -229,12 +238,21 @@ class CopySource:
         rows[:, 0] = remote[:, 0] - self._starts[at] + self._bases[at]
         return rows
 
-    def board_seq(self, spot: BoardSpot) -> int | None:
-        """The seq of ``spot``'s slot now, from the mapped board (None: not mapped)."""
+    def unchanged_after_copy(self, spot: BoardSpot) -> bool:
+        """After a copy from our maps of the server's caches (``mapped_rows``): ``spot``'s
+        slot still has the seq it had, loaded after the copy's loads (a fence, see
+        ``grant_board.py``); from the mapped board, else through the kernel (``check``).
+
+        Raises:
+            PeerClosedError, CopyRefusedError: as ``check``.
+        """
         if self._board is None:
-            return None
-        at = spot.seq_address - self.board_address
-        return int.from_bytes(self._board[at : at + 8], "little")
+            fence = memory_fence()
+            assert fence is not None  # nothing is mapped without one (``_map_regions``)
+            fence()  # our memmove's loads before the kernel's load of the seq
+            return self.check(spot)
+        return slot_seq(self._board, spot.seq_address - self.board_address,
+                        self._fence) == spot.seq
 
     @property
     def board_mapped(self) -> bool:
@@ -248,7 +266,7 @@ class CopySource:
         Raises:
             TransferError: as ``readv`` (the pid was checked just before).
         """
-        if self._board_fd < 0 or not self.board_slots:
+        if self._board_fd < 0 or not self.board_slots or not board_supported():
             return
         nbytes = (self.board_slots + WINDOW - 1) * SLOT_NBYTES
         board = map_shared(self.pid, self._board_fd, nbytes + TAG_NBYTES, populate=True)
@@ -309,7 +327,7 @@ class CopySource:
         if self._board is not None:
             first = home_slot(digest, self.board_slots) * SLOT_NBYTES
             return find_grant(self._board, first, self.board_address, digest, block_ids,
-                              prompt_digest, time.monotonic(), place)
+                              prompt_digest, time.monotonic(), place, self._fence)
         start = self._window_address(digest)
         assert _readv is not None
         with self._lock:

@@ -23,7 +23,8 @@ byte is copied: a grant for another prompt never lands one.
 Where the server's caches are in shared memory it offers (``HostInfo.regions``,
 ``kv_cache_zeros(shared=True)``), a one-part read ``memmove``s the blocks out of
 this process's read-only map of them instead, and reads the seq from the board's
-map after them (``CopySource.mapped_rows``, ``board_seq``): no system call at all.
+map after them, past a memory fence (``CopySource.mapped_rows``,
+``unchanged_after_copy``, ``grant_board.py``): no system call at all.
 
 What a read copies (its ranges, both sides) is kept per (link, plan item, block
 ids, tokens): a request read again, or one with the same blocks (a benchmark),
@@ -235,8 +236,7 @@ def _copy(link: PeerLink, source: CopySource, prepared: _Prepared, job: ReadJob)
         if prepared.pairs is not None:  # from our map of the server's caches
             for ours, theirs, nbytes in prepared.pairs:
                 memmove(ours, theirs, nbytes)
-            seq = source.board_seq(spot)  # loaded after the bytes (x86 keeps loads in order)
-            kept = source.check(spot) if seq is None else seq == spot.seq
+            kept = source.unchanged_after_copy(spot)  # its seq loaded after the bytes
             return kept
         if not prepared.whole:
             assert link.ctx.copier is not None
