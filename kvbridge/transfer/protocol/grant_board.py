@@ -125,6 +125,7 @@ TAG_NBYTES = 16
 # a slot's header after its seq, in one unpack (the seq is loaded apart, before a fence)
 _FIELDS = struct.Struct("<16s16sdQQ")
 _U64 = struct.Struct("<Q")
+_WINDOW_SEQS = struct.Struct("<" + f"Q{SLOT_NBYTES - 8}x" * (WINDOW - 1) + "Q")  # in one load
 # CPUs that keep loads in order with loads and stores with stores (TSO)
 _ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
 _SEQ_CST = 5  # C11 memory_order_seq_cst
@@ -309,7 +310,8 @@ class BoardSpot(NamedTuple):
 def slot_seq(board: bytes | mmap.mmap, at: int, fence: Callable[[], None]) -> int:
     """The seq at offset ``at`` of the mapped ``board``, loaded after every load before
     this call (``fence``: ``memory_fence()``)."""
-    fence()
+    if fence is not _no_fence:
+        fence()
     return int(_U64.unpack_from(board, at)[0])
 
 
@@ -330,12 +332,16 @@ def find_grant(
     ``fence``: ``memory_fence()`` when ``board`` is a map of the live board (the
     window's seqs are loaded before it, the fields after); None for a copy.
     """
-    end = min(first + WINDOW * SLOT_NBYTES, len(board) - SLOT_NBYTES + 1)
-    starts = range(first, end, SLOT_NBYTES)
-    seqs = [_U64.unpack_from(board, start)[0] for start in starts]
-    if fence is not None:
+    if first + WINDOW * SLOT_NBYTES <= len(board):
+        seqs: Sequence[int] = _WINDOW_SEQS.unpack_from(board, first)
+    else:  # a board shorter than a window
+        end = len(board) - SLOT_NBYTES + 1
+        seqs = [_U64.unpack_from(board, at)[0] for at in range(first, end, SLOT_NBYTES)]
+    if fence is not None and fence is not _no_fence:
         fence()
-    for start, seq in zip(starts, seqs, strict=True):
+    start = first - SLOT_NBYTES
+    for seq in seqs:
+        start += SLOT_NBYTES
         if seq == 0 or seq & 1:
             continue
         token, prompt, deadline, count, slot_place = _FIELDS.unpack_from(board, start + 8)
