@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import ucxx._lib.libucxx as ucx_api
+import ucxx.exceptions as ucx_exc
 
 from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, ProtocolError, TransferError
 from kvbridge.transfer.ucx.ucp_lib import OP_FLAGS, STREAM_RECV_WAITALL, RequestParam, UcpRequest
@@ -293,7 +294,7 @@ class UcxConnection:
         logger.debug("abort peer=%s id=%#x", self.peer, self.local_id)
         try:
             self._endpoint.close()
-        except Exception as exc:  # ucxx raises its own untyped hierarchy
+        except ucx_exc.UCXError as exc:  # ucxx's base class (``ucxx.exceptions``)
             logger.debug("closing endpoint to %s: %s", self.peer, exc)
         for tag, request in self._recvs:  # else they stay posted, buffers and all
             if not request.completed:

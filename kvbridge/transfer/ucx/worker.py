@@ -263,7 +263,7 @@ class UcxWorker:
                 item.request.check_error()
             except TransferError as exc:  # ours (iov.py): already typed
                 item.future.set_exception(exc)
-            except Exception as exc:  # ucxx raises its own untyped hierarchy
+            except ucx_exc.UCXError as exc:  # ucxx's base class (``ucxx.exceptions``)
                 item.future.set_exception(_map_ucx_error(exc, "ucx request"))
             else:
                 item.future.set_result(None)
@@ -454,7 +454,7 @@ class UcxWorker:
         """
         try:
             endpoint = ucx_api.UCXEndpoint.create(self._worker, host, port, False)
-        except Exception as exc:  # ucxx raises its own untyped hierarchy
+        except ucx_exc.UCXError as exc:  # e.g. a host name that does not resolve
             raise PeerUnreachableError(f"cannot reach {host}:{port}: {exc}") from exc
         conn = UcxConnection(self, endpoint, f"{host}:{port}", self._new_id())
         try:
