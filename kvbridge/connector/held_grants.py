@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.metadata import SendRequest
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.params import KVTransferParams, sign_params
 from kvbridge.connector.request import ConnectorRequest
 from kvbridge.topology import CacheGroup, EngineTopology, hold_groups
 
@@ -51,13 +51,17 @@ class HeldGrants:
         clock: wall clock (epoch seconds) for ``expires_at``.
         groups: the engine's KV cache groups (None: one group of every block).
         null_block_id: the engine's placeholder block in a group's list, if any.
+        params_key: ``params.params_key`` of the cluster secret: the params
+            handed out are signed with it (None: no secret, unsigned).
     """
 
     def __init__(
         self, engine_id: str, host: str, base_port: int, topology: EngineTopology,
         block_size: int, *, lease_s: float, clock: Callable[[], float],
         groups: Sequence[CacheGroup] | None = None, null_block_id: int | None = None,
+        params_key: bytes | None = None,
     ) -> None:
+        self._params_key = params_key
         self.engine_id, self.host, self.base_port = engine_id, host, base_port
         self.topology, self.block_size, self.lease_s = topology, block_size, lease_s
         self._clock = clock
@@ -134,14 +138,14 @@ class HeldGrants:
         self._held[request_id] = len(held)
         self.num_issued += 1
         topo = self.topology
-        return KVTransferParams(
+        return sign_params(KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self._ports[0] if self._ports else self.base_port,
             remote_ports=list(self._ports), remote_block_ids=held, remote_tp_size=topo.tp_size,
             remote_pp_size=topo.pp_size, remote_block_size=self.block_size,
             remote_num_tokens=num_tokens, grant=grant, expires_at=self._clock() + self.lease_s,
-            remote_groups=spans,
-        )
+            remote_groups=spans, kv_digest=digest.hex(),
+        ), self._params_key)
 
     def revoke(self, request_id: str) -> bool:
         """``ConnectorScheduler.revoke``: True if held (released in a later step)."""

@@ -34,6 +34,12 @@ on arrival. Every request is loaded at most once and a loaded request is never
 served onward (no transfer loops). D reads with the digest of its own prompt
 (``binding.py``): P refuses a read for another prompt's KV, and D recomputes.
 
+Params are checked before anything else (``params.py``): with a secret, params
+whose signature does not verify plan no read and are given back to no one (their
+addresses may be a forger's); signed params for another prompt, or whose
+lease ended, are refused here and given back to P. Each refusal is logged with
+its reason (``ParamsRefusal``) and counted (``num_refused``).
+
 Several KV cache groups (``groups``: sliding-window or recurrent-state layers
 beside full attention): each group moves what ``kvbridge.topology.groups``
 says (a window's blocks, the state after ``end`` tokens), all groups in one
@@ -53,7 +59,7 @@ from typing import Literal
 
 from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.metadata import NotifyRequest, RecvRequest
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.params import KVTransferParams, ParamsRefusal, check_signature
 from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.errors import ConfigError
 from kvbridge.topology.groups import CacheGroup, load_problem, plan_group_read
@@ -99,12 +105,15 @@ class RemoteLoads:
         null_block_id: the engine's placeholder block in a group's list (never
             written), if it has one.
         tp_size: this engine's TP size (a recurrent state is not split otherwise).
+        params_key: ``params.params_key`` of the cluster secret: params must
+            carry its signature (None: no secret, params are not checked).
     """
 
     def __init__(self, block_size: int, *, may_load: bool, clock: Callable[[], float],
                  groups: Sequence[CacheGroup] | None = None, null_block_id: int | None = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, params_key: bytes | None = None) -> None:
         self.block_size = block_size
+        self._params_key = params_key
         self.may_load = may_load
         self._clock = clock
         one_group = groups is None or (len(groups) == 1 and groups[0].kind == "tokens")
@@ -121,6 +130,7 @@ class RemoteLoads:
         self.num_started = 0  # loads dispatched to the workers
         self.num_failed = 0  # finished loads with invalid blocks
         self.num_local_hits_skipped = 0  # not read: the local prefix cache had it all
+        self.num_refused: dict[ParamsRefusal, int] = {}  # params refused, by reason
 
     def plan(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """``ConnectorScheduler.get_num_new_matched_tokens``: tokens to load, and whether to."""
@@ -135,10 +145,17 @@ class RemoteLoads:
                            "locally", request_id)
             self._give_back(request_id, params, ok=False)
             return 0, False
-        if params.expires_at is not None and params.expires_at <= self._clock():
-            logger.warning("request %r: the remote prefill's lease ended %.1fs ago; "
-                           "prefilling locally", request_id, self._clock() - params.expires_at)
+        forged = check_signature(params, self._params_key)
+        if forged is not None:  # not P's: contact no one they name
+            self._refuse(request_id, forged, "unsigned params are refused when this engine "
+                         "has a cluster secret (P needs the same secret)" if forged == "unsigned"
+                         else "they are not what a P with this cluster secret signed")
             self._consumed.add(request_id)
+            return 0, False
+        if params.expires_at is not None and params.expires_at <= self._clock():
+            self._refuse(request_id, "expired", f"the remote prefill's lease ended "
+                         f"{self._clock() - params.expires_at:.1f}s ago")
+            self._give_back(request_id, params, ok=False)
             return 0, False
         assert params.remote_block_size is not None  # parse_kv_transfer_params checked
         num_prompt = request.num_prompt_tokens
@@ -166,6 +183,11 @@ class RemoteLoads:
                                params.remote_block_ids, params.remote_groups)
         except ValueError as exc:
             logger.warning("request %r: %s; prefilling locally", request_id, exc)
+            self._give_back(request_id, params, ok=False)
+            return 0, False
+        if params.kv_digest is not None and params.kv_digest != digest.hex():
+            self._refuse(request_id, "prompt_mismatch", "P prefilled another prompt (or other "
+                         "tokens of it) than this request's")
             self._give_back(request_id, params, ok=False)
             return 0, False
         self._planned[request_id] = _Load(params, start, end - start, digest)
@@ -396,6 +418,11 @@ class RemoteLoads:
     def num_in_flight(self) -> int:
         """Loads dispatched to the workers and not finished."""
         return sum(1 for load in self._loads.values() if load.dispatched)
+
+    def _refuse(self, request_id: str, reason: ParamsRefusal, why: str) -> None:
+        logger.warning("request %r: refusing its kv_transfer_params (%s): %s; prefilling "
+                       "locally", request_id, reason, why)
+        self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
 
     def _give_back(self, request_id: str, params: KVTransferParams, *, ok: bool) -> None:
         """Tell P (through the workers) that this engine will not read the request."""

@@ -11,6 +11,14 @@ out-of-range value, or are not a JSON object become ``None`` with a warning, and
 the engine then prefills the request locally. ``expires_at`` is wall-clock epoch
 seconds (``time.time()`` on P): P's monotonic clock means nothing on D.
 
+Params are signed. They travel through clients and routers, and vLLM takes
+them from any HTTP client that reaches D: with a cluster secret, P signs
+what it hands out (:func:`sign_params`, an HMAC-SHA256 under a key derived
+from the secret for this use only) and D plans no read from params that do
+not verify (:func:`check_signature`): a forger can neither point D at a
+server of its own nor change what it reads from P. Without a secret
+(explicitly insecure) params are neither signed nor checked.
+
 Example::
 
     params = parse_kv_transfer_params(body.get("kv_transfer_params"))
@@ -21,12 +29,15 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-__all__ = ["KVTransferParams", "parse_kv_transfer_params"]
+__all__ = ["KVTransferParams", "ParamsRefusal", "check_signature", "params_key",
+           "parse_kv_transfer_params", "sign_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +47,14 @@ Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
 _OMIT_WHEN_EMPTY = frozenset({"remote_groups"})
+Hex32 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+_KEY_DOMAIN = b"kvbridge-kv-transfer-params-v1"
+
+#: Why D refuses params it was handed (logged, counted, and the request is
+#: prefilled locally): ``unsigned`` (this engine has a secret, the params carry no
+#: signature), ``bad_signature`` (forged or changed on the way, or P has another
+#: secret), ``prompt_mismatch`` (signed for another prompt), ``expired`` (P's lease ended).
+ParamsRefusal = Literal["unsigned", "bad_signature", "prompt_mismatch", "expired"]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +81,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         remote_num_tokens: prompt tokens whose KV P computed (from token 0).
         grant: token naming P's grant for the blocks (a secret: do not log it).
         expires_at: wall-clock epoch seconds after which P may have freed the blocks.
+        kv_digest: hex ``binding.kv_digest`` of the prompt tokens and blocks P
+            holds: D compares its own before reading anything.
+        signature: hex HMAC of every other field (:func:`sign_params`), None
+            when P runs without a secret.
     """
 
     do_remote_decode: bool = False
@@ -78,6 +101,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_num_tokens: Count = 0
     grant: Name | None = None
     expires_at: float | None = None
+    kv_digest: Hex32 | None = None
+    signature: Hex32 | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (fields that are ``None`` are left out, and
@@ -115,6 +140,59 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
                     f"{self.remote_block_size} for {self.remote_num_tokens} tokens)"
                 )
         return missing
+
+
+def params_key(secret: bytes | None) -> bytes | None:
+    """The key that signs params, derived from the cluster secret for this use only.
+
+    A MAC made with it is never a valid handshake proof, nor the other way round.
+
+    Returns:
+        32 bytes, or None when there is no secret (params are not signed).
+    """
+    if secret is None:
+        return None
+    return hmac.digest(secret, _KEY_DOMAIN, hashlib.sha256)
+
+
+def _mac(params: KVTransferParams, key: bytes) -> str:
+    # msgspec encodes every field in declaration order: one byte string per value of
+    # the struct, and D decodes P's JSON back to the same struct (floats round-trip)
+    unsigned = msgspec.structs.replace(params, signature=None, do_remote_decode=False)
+    return hmac.new(key, msgspec.json.encode(unsigned), hashlib.sha256).hexdigest()
+
+
+def sign_params(params: KVTransferParams, key: bytes | None) -> KVTransferParams:
+    """``params`` with their signature (unchanged when ``key`` is None: no secret).
+
+    Args:
+        params: what P hands out for one request.
+        key: :func:`params_key` of the cluster secret.
+    """
+    if key is None:
+        return params
+    return msgspec.structs.replace(params, signature=_mac(params, key))
+
+
+def check_signature(params: KVTransferParams, key: bytes | None) -> ParamsRefusal | None:
+    """Why D must not read with ``params`` as far as their signature goes, or None.
+
+    Args:
+        params: parsed params of a ``do_remote_prefill`` request.
+        key: :func:`params_key` of this engine's secret; None (no secret,
+            explicitly insecure): every params pass unchecked.
+
+    Returns:
+        None when they verify (compared in constant time); ``"unsigned"`` or
+        ``"bad_signature"`` otherwise.
+    """
+    if key is None:
+        return None
+    if params.signature is None:
+        return "unsigned"
+    if not hmac.compare_digest(_mac(params, key), params.signature):
+        return "bad_signature"
+    return None
 
 
 def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:

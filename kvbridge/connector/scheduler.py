@@ -48,7 +48,7 @@ from kvbridge.connector.held_grants import HeldGrants
 from kvbridge.connector.loads import LoadState, RemoteLoads
 from kvbridge.connector.metadata import ConnectorMetadata
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.params import KVTransferParams, params_key
 from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError, KVBridgeError
@@ -103,6 +103,10 @@ class ConnectorScheduler:
             one ``tokens`` group: every block from token 0, one list.
         null_block_id: the engine's placeholder block in a group's list
             (vLLM's null block), never held nor written.
+        secret: the cluster secret: P signs the params it hands out with a key
+            derived from it, and D plans no read from params that do not
+            verify (``params.py``). None: explicitly insecure, params unsigned
+            and unchecked.
 
     Raises:
         ConfigError: bad role, policy, port, lease or block size.
@@ -122,6 +126,7 @@ class ConnectorScheduler:
         clock: Callable[[], float] = time.time,
         groups: Sequence[CacheGroup] | None = None,
         null_block_id: int | None = None,
+        secret: bytes | None = None,
     ) -> None:
         if role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, got {role!r}")
@@ -142,12 +147,13 @@ class ConnectorScheduler:
         if groups is not None and len(groups) == 1 and groups[0].kind == "tokens":
             groups = None  # one list of every block: the general path (any block sizes)
         self.groups = tuple(groups) if groups is not None else None
+        key = params_key(secret)
         self._loads = RemoteLoads(block_size, may_load=role != "prefill", clock=clock,
                                   groups=groups, null_block_id=null_block_id,
-                                  tp_size=topology.tp_size)
+                                  tp_size=topology.tp_size, params_key=key)
         self._grants = HeldGrants(engine_id, host, base_port, topology, block_size,
                                   lease_s=lease_s, clock=clock, groups=groups,
-                                  null_block_id=null_block_id)
+                                  null_block_id=null_block_id, params_key=key)
         self._finished_sending: set[str] = set()
         self._stats = ConnectorStats()  # the workers' transfer counters
 
@@ -346,6 +352,7 @@ class ConnectorScheduler:
         stats.num_loads_started = self._loads.num_started
         stats.num_loads_failed = self._loads.num_failed
         stats.num_local_hits_skipped = self._loads.num_local_hits_skipped
+        stats.num_params_refused = sum(self._loads.num_refused.values())
         stats.num_grants_issued = self._grants.num_issued
         stats.num_grants_released = self._grants.num_released
         stats.num_held_blocks = self._grants.num_held_blocks

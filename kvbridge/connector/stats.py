@@ -47,6 +47,8 @@ class ConnectorStats:
         num_loads_failed: requests whose load failed on some worker.
         num_local_hits_skipped: remote prefills not read because the local
             prefix cache already held the tokens.
+        num_params_refused: requests whose ``kv_transfer_params`` were refused
+            (forged, tampered, for another prompt, expired): no read planned.
         num_grants_issued: finished prefills held for remote readers.
         num_grants_released: held prefills whose blocks were given back.
         num_held_blocks: blocks held for remote readers now (gauge).
@@ -65,6 +67,7 @@ class ConnectorStats:
     num_loads_started: int = 0
     num_loads_failed: int = 0
     num_local_hits_skipped: int = 0
+    num_params_refused: int = 0
     num_grants_issued: int = 0
     num_grants_released: int = 0
     num_held_blocks: int = 0
@@ -121,6 +124,9 @@ class ConnectorStats:
             counter("kv_local_hits_skipped_total",
                     "Remote prefills not read thanks to local prefix hits.",
                     self.num_local_hits_skipped),
+            counter("kv_params_refused_total",
+                    "Requests whose kv_transfer_params were refused (no read planned).",
+                    self.num_params_refused),
             counter("kv_grants_issued_total", "Prefills held for remote readers.",
                     self.num_grants_issued),
             counter("kv_grants_released_total", "Held prefills released.",

@@ -85,6 +85,7 @@ def build(config: EngineConfig) -> tuple[ConnectorScheduler, str, ConnectorWorke
         settings.engine_id, config.role.value, topology, settings.host,
         settings.transfer_base_port, config.block_size, lease_s=settings.lease_s,
         load_failure_policy="fail" if settings.load_failure_policy == "fail" else "recompute",
+        secret=settings.secret,
     )
     secret = settings.secret
     if secret is None:  # zero config: the host secret on one host, else refuse or insecure

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -101,12 +102,23 @@ def test_d_sends_the_digest_of_its_own_prompt() -> None:
     assert recv.num_tokens == len(tokens) - 1
     assert recv.kv_digest == send.kv_digest
     # another prompt of the same length, or P's blocks in another order: they differ
+    # (params without P's digest: D reads and P's agent refuses the read)
     other = [t + 1 for t in tokens]
-    assert read_by_d(other, params).kv_digest == kv_digest(other, send.block_ids)
-    assert read_by_d(other, params).kv_digest != send.kv_digest
-    shuffled = KVTransferParams(**{**params.to_json_dict(),
+    bare = msgspec.structs.replace(params, kv_digest=None)
+    assert read_by_d(other, bare).kv_digest == kv_digest(other, send.block_ids)
+    assert read_by_d(other, bare).kv_digest != send.kv_digest
+    shuffled = KVTransferParams(**{**bare.to_json_dict(),
                                    "remote_block_ids": params.remote_block_ids[::-1]})
     assert read_by_d(tokens, shuffled).kv_digest != send.kv_digest
+
+
+def test_d_refuses_params_with_ps_digest_for_another_prompt_before_reading() -> None:
+    send, params = held_by_p(TOKENS[:40])
+    assert params.kv_digest == send.kv_digest.hex()
+    conn, mgr = scheduler(), manager()
+    assert admit(conn, mgr, request("d-req", [t + 1 for t in TOKENS[:40]], params))[1] == 0
+    meta = conn.build_connector_meta()
+    assert meta.reqs_to_recv == [] and [n.grant for n in meta.reqs_to_notify] == [params.grant]
 
 
 def test_d_prompt_extending_ps_is_bound_to_ps_tokens_only() -> None:

@@ -6,13 +6,20 @@ with a real ``KVCacheManager``; these tests pin the part's own contract.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
 
 from kvbridge.connector.held_grants import HeldGrants
 from kvbridge.connector.loads import RemoteLoads
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.params import (
+    KVTransferParams,
+    check_signature,
+    params_key,
+    parse_kv_transfer_params,
+    sign_params,
+)
 from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology, KVLayout
 from tests.connector.helpers import NOW, Req
@@ -125,3 +132,100 @@ def test_d_reads_with_the_digest_p_issued_its_grant_under() -> None:
     [recv], _ = d.dispatch()
     assert recv.kv_digest == send.kv_digest
     assert (recv.grant, recv.remote_block_ids) == (send.grant, send.block_ids)
+
+
+SECRET = b"a cluster secret of 32 bytes...."
+
+
+def signed_pair(secret_p: bytes | None = SECRET, secret_d: bytes | None = SECRET
+                ) -> tuple[HeldGrants, RemoteLoads]:
+    """A P that signs its params with ``secret_p``, a D that checks them with ``secret_d``."""
+    topo = EngineTopology(tp_size=1, pp_size=1, block_size=BS, num_kv_heads=4, is_mla=False,
+                          layout=KVLayout.HND, num_layers=2)
+    p = HeldGrants("p", "10.0.0.1", 5600, topo, BS, lease_s=30.0, clock=lambda: NOW,
+                   params_key=params_key(secret_p))
+    d = RemoteLoads(BS, may_load=True, clock=lambda: NOW, params_key=params_key(secret_d))
+    return p, d
+
+
+def through_json(params: KVTransferParams, **changes: object) -> KVTransferParams | None:
+    """What D parses after the params went through a client as JSON (and ``changes``)."""
+    raw = json.loads(json.dumps(params.to_json_dict()))
+    raw.update(changes)
+    return parse_kv_transfer_params(raw)
+
+
+def test_signed_params_pass_through_json_and_d_reads() -> None:
+    p, d = signed_pair()
+    prompt = list(range(50))
+    params = p.hold(Req("on-p", prompt), [5, 6, 7, 8])
+    assert params is not None and params.signature is not None
+    assert d.plan(Req("on-d", prompt, through_json(params)), 0) == (49, True)
+    assert d.num_refused == {}
+
+
+@pytest.mark.parametrize("changes", [
+    {"signature": None},  # stripped
+    {"signature": "0" * 64},  # made up
+    {"remote_host": "10.6.6.6"}, {"remote_port": 6666}, {"remote_engine_id": "rogue"},
+    {"remote_block_ids": [8, 7, 6, 5]}, {"remote_num_tokens": 40}, {"grant": "x" * 22},
+    {"expires_at": NOW + 3600}, {"remote_tp_size": 2}, {"remote_block_size": 32},
+    {"remote_ports": [6666]}, {"remote_groups": [[0, 4]]}, {"kv_digest": "ab" * 32},
+])
+def test_d_plans_no_read_and_contacts_no_one_for_params_p_did_not_sign(
+        changes: dict[str, object]) -> None:
+    p, d = signed_pair()
+    prompt = list(range(50))
+    params = p.hold(Req("on-p", prompt), [5, 6, 7, 8])
+    assert params is not None
+    forged = through_json(params, **changes)
+    assert forged is not None
+    req = Req("on-d", prompt, forged)
+    assert d.plan(req, 0) == (0, False)
+    assert d.plan(req, 0) == (0, False)  # and not on a second ask
+    recvs, notices = d.dispatch()
+    assert (recvs, notices) == ([], [])  # nothing planned, no notice to the named host
+    assert sum(d.num_refused.values()) == 1
+    assert set(d.num_refused) <= {"unsigned", "bad_signature"}
+    assert d.end_request(req) is False
+    assert d.dispatch() == ([], [])
+
+
+def test_params_of_a_p_with_another_secret_or_none_are_refused() -> None:
+    prompt = list(range(50))
+    for secret_p, reason in ((b"another secret of 32 bytes......", "bad_signature"),
+                             (None, "unsigned")):
+        p, d = signed_pair(secret_p=secret_p)
+        params = p.hold(Req("on-p", prompt), [5, 6, 7, 8])
+        assert params is not None
+        assert d.plan(Req("on-d", prompt, params), 0) == (0, False)
+        assert d.num_refused == {reason: 1}
+
+
+def test_without_a_secret_params_are_unsigned_and_unchecked() -> None:
+    p, d = signed_pair(secret_p=None, secret_d=None)
+    prompt = list(range(50))
+    params = p.hold(Req("on-p", prompt), [5, 6, 7, 8])
+    assert params is not None and params.signature is None
+    assert d.plan(Req("on-d", prompt, params), 0) == (49, True)
+
+
+def test_signed_params_for_another_prompt_are_refused_before_any_read_and_given_back() -> None:
+    p, d = signed_pair()
+    params = p.hold(Req("on-p", list(range(50))), [5, 6, 7, 8])
+    assert params is not None
+    req = Req("on-d", list(range(1, 51)), params)
+    assert d.plan(req, 0) == (0, False)
+    recvs, notices = d.dispatch()
+    assert recvs == [] and [(n.remote_host, n.grant, n.ok) for n in notices] == [
+        ("10.0.0.1", params.grant, False)]
+    assert d.num_refused == {"prompt_mismatch": 1}
+
+
+def test_params_key_is_derived_and_not_the_secret() -> None:
+    key = params_key(SECRET)
+    assert key is not None and len(key) == 32 and SECRET not in key
+    assert params_key(None) is None
+    assert check_signature(sign_params(remote(40), key), key) is None
+    assert check_signature(remote(40), key) == "unsigned"
+    assert check_signature(sign_params(remote(40), params_key(b"x" * 32)), key) == "bad_signature"

@@ -150,16 +150,19 @@ def test_malformed_params_prefill_locally(
 def test_params_of_another_prompt_are_refused_and_d_caches_only_its_own_kv(
     hosts: tuple[EngineHost, EngineHost],
 ) -> None:
-    """P refuses a read for a prompt its grant was not issued for (``binding.py``)."""
+    """D refuses params P issued for another prompt before reading (their ``kv_digest``);
+    P's agent would refuse the read too (``binding.py``)."""
     p = engine(hosts[0], EngineSpec("p-bind", tp_size=2))
     d = engine(hosts[1], EngineSpec("d-bind", block_size=32))
     try:
         victim, attacker = prompt(80, seed=7), prompt(80, seed=8)
         params = prefill(p, "attacker", attacker)
         status = decode(d, "victim", victim, params)  # KV checked against victim's own
-        assert status["ready_ok"] is True and status["num_computed_here"] == len(victim) + 1
+        assert status["ready_ok"] is None  # no load at all: computed here
+        assert status["num_computed_here"] == len(victim) + 1
         stats = d.call("stats")
-        assert (stats.num_loads_failed, stats.num_transfers, stats.nbytes) == (1, 0, 0)
+        assert (stats.num_loads_failed, stats.num_transfers, stats.nbytes,
+                stats.num_params_refused) == (0, 0, 0, 1)
         # the victim's blocks in D's prefix cache hold the victim's KV: a later
         # request hits them and its whole KV is still right
         again = decode(d, "again", victim, prefill(p, "honest", victim))

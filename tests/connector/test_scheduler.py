@@ -103,11 +103,13 @@ def test_each_request_loads_at_most_once() -> None:
     assert conn.request_finished(req, mgr.get_block_ids("r")[0]) == (False, None)
 
 
-def test_expired_params_prefill_locally() -> None:
+def test_expired_params_prefill_locally_and_tell_p() -> None:
     conn = scheduler()
     req = request("r", TOKENS[:40], remote(40, expires_at=NOW - 1))
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert conn.build_connector_meta().is_empty()  # P freed it already
+    meta = conn.build_connector_meta()  # P may hold it still (clocks differ): let it go
+    assert (meta.reqs_to_recv, [n.ok for n in meta.reqs_to_notify]) == ([], [False])
+    assert conn.get_stats().num_params_refused == 1
 
 
 def test_prefill_finish_holds_blocks_and_returns_params() -> None:

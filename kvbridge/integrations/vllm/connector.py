@@ -149,7 +149,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:  # vLLM also asks the scheduler's connector
-            return None
+            return self._scheduler.take_stats() if self._scheduler is not None else None
         stats = self._worker.take_stats()
         num_sync_loads = self._worker.take_num_sync_loads()
         if (stats is None or stats.is_empty()) and not num_sync_loads:

@@ -101,12 +101,14 @@ class VllmSchedulerSide:
         self._scheduler = ConnectorScheduler(
             facts.engine_id, facts.role, facts.topology(fused_kv=False), settings.host,
             settings.base_port, facts.block_size, lease_s=settings.lease_s,
-            groups=groups, null_block_id=NULL_BLOCK_ID,
+            groups=groups, null_block_id=NULL_BLOCK_ID, secret=settings.secret(),
         )
         self._transfer_group_ids = transfer_group_ids
         self._per_request_failures = num_groups > 1  # vLLM's rule for invalid block ids
         self._received_here: set[str] = set()  # aborted before any worker read them
         self._sync: set[str] = set()  # loads made synchronously, until reported received
+        self._num_refused_reported = 0
+        self._gauges_reported: dict[str, int] | None = None
 
     @property
     def scheduler(self) -> ConnectorScheduler:
@@ -231,6 +233,20 @@ class VllmSchedulerSide:
     def has_pending_work(self) -> bool:
         """Work the engine must keep stepping for (vLLM steps anyway while blocks are held)."""
         return self._scheduler.has_pending_work()
+
+    def take_stats(self) -> KVBridgeStats | None:
+        """This side's part of vLLM's stats: params refused since the last call, and
+        the held gauges when they changed (None: nothing new)."""
+        stats = self._scheduler.get_stats()
+        refused = stats.num_params_refused - self._num_refused_reported
+        gauges = {"held_bytes": stats.num_held_blocks * self.facts.block_size
+                  * self.facts.kv_bytes_per_token * self.facts.tp_size * self.facts.pp_size,
+                  "held_requests": stats.num_held_requests}
+        changed = gauges != self._gauges_reported
+        if not refused and not changed:
+            return None
+        self._num_refused_reported, self._gauges_reported = stats.num_params_refused, gauges
+        return KVBridgeStats.of_scheduler(refused, gauges if changed else None)
 
     def get_stats(self) -> ConnectorStats:
         """kvbridge's counters and gauges of this engine."""

@@ -12,8 +12,14 @@ API server, where :class:`KVBridgePromMetrics` counts it on ``/metrics``::
     vllm:kvbridge_local_copies_total         completed reads copied out of P's process (same host)
     vllm:kvbridge_sync_loads_total           reads made before the forward of their request's step
     vllm:kvbridge_transfer_seconds           histogram of read durations
+    vllm:kvbridge_params_refused_total       requests whose kv_transfer_params D refused
+                                             (forged, tampered, other prompt, expired)
+    vllm:kvbridge_held_bytes                 (gauge, P) KV bytes held for D's readers
+    vllm:kvbridge_held_requests              (gauge, P) requests whose blocks are held
 
-Its ``data`` holds only numbers and a list of floats: vLLM ships it with msgpack.
+The scheduler side adds the last three (``VllmSchedulerSide.take_stats``): vLLM
+merges its stats with the workers'. Its ``data`` holds only numbers and a
+list of floats: vLLM ships it with msgpack.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from kvbridge.connector.stats import DURATION_BUCKETS_S
 __all__ = ["KVBridgePromMetrics", "KVBridgeStats"]
 
 _COUNTS = ("num_transfers", "num_failures", "nbytes", "num_local_copies")
+_SCHEDULER_COUNTS = ("num_sync_loads", "num_params_refused")
+_GAUGES = ("held_bytes", "held_requests")  # only the scheduler side reports these
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -46,6 +54,15 @@ class KVBridgeStats(KVConnectorStats):
         data["durations_s"] = list(stats.durations_s)
         data["num_sync_loads"] = num_sync_loads
         return cls(data=data)
+
+    @classmethod
+    def of_scheduler(cls, num_params_refused: int, gauges: dict[str, int] | None
+                     ) -> KVBridgeStats:
+        """The scheduler side's part: refusals since the last report, and gauges if changed."""
+        stats = cls.of(TransferStats())
+        stats.data["num_params_refused"] = num_params_refused
+        stats.data.update(gauges or {})
+        return stats
 
     @property
     def num_sync_loads(self) -> int:
@@ -65,8 +82,14 @@ class KVBridgeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if not isinstance(other, KVBridgeStats):
             raise TypeError(f"cannot aggregate KVBridgeStats with {type(other).__name__}")
-        merged = self.to_transfer_stats().aggregate(other.to_transfer_stats())
-        return KVBridgeStats.of(merged, self.num_sync_loads + other.num_sync_loads)
+        merged = KVBridgeStats.of(self.to_transfer_stats().aggregate(other.to_transfer_stats()))
+        for key in _SCHEDULER_COUNTS:
+            merged.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
+        for key in _GAUGES:  # the latest of the one scheduler side's
+            for part in (self, other):
+                if key in part.data:
+                    merged.data[key] = part.data[key]
+        return merged
 
     def reduce(self) -> dict[str, int | float]:
         """What vLLM's periodic log line shows."""
@@ -85,7 +108,9 @@ class KVBridgeStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return self.to_transfer_stats().is_empty() and not self.num_sync_loads
+        return (self.to_transfer_stats().is_empty()
+                and not any(self.data.get(key) for key in _SCHEDULER_COUNTS)
+                and not any(key in self.data for key in _GAUGES))
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -107,6 +132,21 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                  "completed KV reads copied out of a process on this host"),
             "num_sync_loads": ("vllm:kvbridge_sync_loads",
                                "KV reads made before the forward of their request's step"),
+            "num_params_refused": ("vllm:kvbridge_params_refused",
+                                   "requests whose kv_transfer_params were refused (no read)"),
+        }
+        gauges = {
+            "held_bytes": ("vllm:kvbridge_held_bytes", "KV bytes held for remote readers"),
+            "held_requests": ("vllm:kvbridge_held_requests",
+                              "requests whose blocks are held for remote readers"),
+        }
+        self._gauges = {
+            key: create_metric_per_engine(
+                self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                multiprocess_mode="mostrecent"),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in gauges.items()
         }
         self._counters = {
             key: create_metric_per_engine(
@@ -127,5 +167,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key, 0)
             if value:
                 metric[engine_idx].inc(value)
+        for key, gauge in self._gauges.items():
+            if key in transfer_stats_data:
+                gauge[engine_idx].set(transfer_stats_data[key])
         for seconds in transfer_stats_data.get("durations_s", ()):
             self._seconds[engine_idx].observe(seconds)

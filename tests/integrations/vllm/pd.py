@@ -37,6 +37,12 @@ TRANSFERS = "vllm:kvbridge_transfers_total"
 FAILURES = "vllm:kvbridge_transfer_failures_total"
 BYTES = "vllm:kvbridge_transfer_bytes_total"
 SYNC_LOADS = "vllm:kvbridge_sync_loads_total"
+PARAMS_REFUSED = "vllm:kvbridge_params_refused_total"
+HELD_BYTES = "vllm:kvbridge_held_bytes"
+HELD_REQUESTS = "vllm:kvbridge_held_requests"
+
+#: A cluster secret for P and D (``$KVBRIDGE_SECRET``): P signs its params with it.
+SECRET_ENV = (("KVBRIDGE_SECRET", "test cluster secret, 32 bytes..."),)
 
 # per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2
@@ -151,7 +157,7 @@ class PDResult(NamedTuple):
 def counters(url: str) -> dict[str, float]:
     """D's transfer counters now (0 for those not exposed yet)."""
     now = metrics(url)
-    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS, SYNC_LOADS)
+    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS, SYNC_LOADS, PARAMS_REFUSED)
     return {name: now.get(name, 0.0) for name in names}
 
 

@@ -1,7 +1,8 @@
 """P/D through KVBridgeConnector in real vLLM servers, token for token against colocated vLLM.
 
 Servers (bf16 tiny Llama, block size 128, TP 1): a plain colocated vLLM for the
-reference answers, P and D with the zero config a user types. Each P/D answer
+reference answers, P and D with the zero config a user types and a cluster
+secret (``$KVBRIDGE_SECRET``: P signs the params it hands out, D checks them). Each P/D answer
 must equal the colocated one and D must have loaded the prompt's KV through the
 connector (kvbridge's transfer counters and vLLM's external prefix-cache hits),
 and P must give its blocks back once D has read them.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,7 +33,10 @@ from tests.integrations.vllm.pd import (
     BLOCK_NBYTES,
     BLOCK_SIZE,
     BYTES,
+    FAILURES,
     NUM_NEW_TOKENS,
+    PARAMS_REFUSED,
+    SECRET_ENV,
     SYNC_LOADS,
     TEXT_PROMPTS,
     TRANSFERS,
@@ -47,6 +52,7 @@ from tests.integrations.vllm.pd import (
     wait_usage,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -65,6 +71,7 @@ def p_spec(tiny_llama: Path) -> ServerSpec:
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
         kv_transfer_config=json.dumps(ZERO_CONFIG),
+        env=SECRET_ENV,
         instance="p",
     )
 
@@ -76,6 +83,7 @@ def d_spec(tiny_llama: Path) -> ServerSpec:
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
         kv_transfer_config=json.dumps(ZERO_CONFIG),
+        env=SECRET_ENV,
         instance="d",
     )
 
@@ -301,6 +309,7 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
     d_mixed = ServerSpec(
         tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE, instance="d-mixed",
         kv_transfer_config=kv_config(sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES),
+        env=SECRET_ENV,
     )
     p, d = pd_pair(vllm_servers, p_spec, d_mixed)
     before = counters(d.base_url)
@@ -358,3 +367,56 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy(
                 assert answer == want, (stream, prompt[:40])
     wait_usage(p.base_url)
     wait_usage(d.base_url)
+
+
+FORGERIES = ("unsigned", "lease extended", "blocks reordered", "another server",
+             "another grant", "another prompt's")
+
+
+def forge(name: str, params: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """What a client that reaches D may send instead of P's ``params`` (``other``: P's
+    params of another prompt)."""
+    match name:
+        case "unsigned":
+            return {k: v for k, v in params.items() if k != "signature"}
+        case "lease extended":
+            return {**params, "expires_at": params["expires_at"] + 3600}
+        case "blocks reordered":
+            return {**params, "remote_block_ids": params["remote_block_ids"][::-1]}
+        case "another server":
+            return {**params, "remote_port": free_port(), "remote_ports": [free_port()]}
+        case "another grant":
+            return {**params, "grant": "x" * 22}
+    return other
+
+
+def test_forged_params_sent_straight_to_d_move_no_byte_and_d_answers_right(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+) -> None:
+    """Params P did not sign as they are plan no read on D: D computes the prompt
+    itself (its answer equals colocated), its transfer counters do not move, and its
+    prefix cache holds only what it computed (P's honest params then find it all there)."""
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    prompts = [prompt_ids(2 * BLOCK_SIZE + 1, seed=60 + i) for i in range(len(FORGERIES) + 1)]
+    expected = reference(vllm_servers, ref_spec, prompts[:-1])
+    held = [prefill(p.base_url, prompt) for prompt in prompts]
+    for i, name in enumerate(FORGERIES):
+        before = counters(d.base_url)
+        forged = forge(name, held[i], held[-1])
+        done = complete(d.base_url, prompts[i], NUM_NEW_TOKENS, kv_transfer_params=forged)
+        assert done.token_ids == expected[i], name
+        refused = before[PARAMS_REFUSED]
+        after = poll_metrics(d.base_url, lambda m, n=refused: m.get(PARAMS_REFUSED, 0) > n)
+        for counter in (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS):
+            assert after.get(counter, 0) == before[counter], (name, counter)
+        # P's own params for it now: D's prefix cache has the whole prompt (of its own
+        # computing), reads nothing and gives P's grant back
+        again = complete(d.base_url, prompts[i], NUM_NEW_TOKENS, kv_transfer_params=held[i])
+        assert again.token_ids == expected[i], name
+    assert counters(d.base_url)[TRANSFERS] == after.get(TRANSFERS, 0)
+    # every hold on P was given back: the honest ones by D, the other prompt's too
+    # (D refused it as signed for another prompt and told P)
+    wait_usage(p.base_url)
