@@ -10,6 +10,13 @@ lease ended, or the grant was revoked (:meth:`HeldGrants.revoke`)::
     hold  -> SendRequest (next step) -> readers read ... -> finished_sending -> release
                  revoke -> reqs_to_release (next step) ---^
 
+Holds are capped (``max_held_blocks``): a new hold that would take more goes
+after the oldest holds, which are revoked (their readers are refused and
+recompute), so that readers that never come cannot stall new prefills. Only
+holds the workers know of are revoked (a revocation in the step its grant is
+issued would come first and miss it); when those do not make room, the new
+prefill is not held (P frees it, D recomputes).
+
 Each grant is bound to the prompt tokens it holds and to their blocks
 (``binding.py``): P issues it with the digest of its prompt, and the transfer
 agent refuses a read whose digest differs.
@@ -53,15 +60,19 @@ class HeldGrants:
         null_block_id: the engine's placeholder block in a group's list, if any.
         params_key: ``params.params_key`` of the cluster secret: the params
             handed out are signed with it (None: no secret, unsigned).
+        max_held_blocks: at most this many blocks held at once (None: no cap).
     """
 
     def __init__(
         self, engine_id: str, host: str, base_port: int, topology: EngineTopology,
         block_size: int, *, lease_s: float, clock: Callable[[], float],
         groups: Sequence[CacheGroup] | None = None, null_block_id: int | None = None,
-        params_key: bytes | None = None,
+        params_key: bytes | None = None, max_held_blocks: int | None = None,
     ) -> None:
         self._params_key = params_key
+        self.max_held_blocks = max_held_blocks
+        self._revoked: set[str] = set()  # held, revocation asked
+        self.num_evicted = 0  # holds revoked to make room under the cap
         self.engine_id, self.host, self.base_port = engine_id, host, base_port
         self.topology, self.block_size, self.lease_s = topology, block_size, lease_s
         self._clock = clock
@@ -131,6 +142,8 @@ class HeldGrants:
         except ValueError as exc:
             logger.warning("request %r: cannot serve its KV: %s", request_id, exc)
             return None
+        if not self._make_room(request_id, len(held)):
+            return None
         grant = secrets.token_urlsafe(16)
         self._to_send.append(SendRequest(
             request_id=request_id, block_ids=held, grant=grant, lease_s=self.lease_s,
@@ -147,15 +160,50 @@ class HeldGrants:
             remote_groups=spans, kv_digest=digest.hex(),
         ), self._params_key)
 
+    def _make_room(self, request_id: str, num_blocks: int) -> bool:
+        """Revoke the oldest holds until ``num_blocks`` more fit under the cap.
+
+        Returns:
+            False (nothing revoked) when they cannot fit: the request is not held.
+        """
+        cap = self.max_held_blocks
+        if cap is None:
+            return True
+        pending = {send.request_id for send in self._to_send}
+        live = [(rid, n) for rid, n in self._held.items() if rid not in self._revoked]
+        num_live = sum(n for _, n in live)
+        victims: list[str] = []
+        for rid, n in live:  # oldest first (insertion order)
+            if num_live + num_blocks <= cap:
+                break
+            if rid not in pending:
+                victims.append(rid)
+                num_live -= n
+        if num_live + num_blocks > cap:
+            logger.warning("request %r: its %d blocks do not fit under the cap of %d blocks "
+                           "held for readers (max_held_share); not serving its KV (D "
+                           "recomputes)", request_id, num_blocks, cap)
+            return False
+        for rid in victims:
+            logger.warning("request %r: released before its reader came, to make room for "
+                           "new holds (cap of %d blocks held for readers); its reader "
+                           "recomputes", rid, cap)
+            self.revoke(rid)
+            self.num_evicted += 1
+        return True
+
     def revoke(self, request_id: str) -> bool:
         """``ConnectorScheduler.revoke``: True if held (released in a later step)."""
         if request_id not in self._held:
             return False
-        self._to_release.append(request_id)
+        if request_id not in self._revoked:
+            self._revoked.add(request_id)
+            self._to_release.append(request_id)
         return True
 
     def release(self, request_id: str) -> None:
         """The workers finished sending the request: its hold is over (if it was held)."""
+        self._revoked.discard(request_id)
         if self._held.pop(request_id, None) is not None:
             self.num_released += 1
 

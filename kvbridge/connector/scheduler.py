@@ -107,6 +107,8 @@ class ConnectorScheduler:
             derived from it, and D plans no read from params that do not
             verify (``params.py``). None: explicitly insecure, params unsigned
             and unchecked.
+        max_held_blocks: at most this many blocks held for remote readers at
+            once; the oldest holds go first (``held_grants.py``). None: no cap.
 
     Raises:
         ConfigError: bad role, policy, port, lease or block size.
@@ -127,6 +129,7 @@ class ConnectorScheduler:
         groups: Sequence[CacheGroup] | None = None,
         null_block_id: int | None = None,
         secret: bytes | None = None,
+        max_held_blocks: int | None = None,
     ) -> None:
         if role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, got {role!r}")
@@ -141,6 +144,8 @@ class ConnectorScheduler:
                               f"leave room for {topology.world_size} ports below 65536")
         if not math.isfinite(lease_s) or lease_s <= 0:
             raise ConfigError(f"lease_s must be finite and > 0, got {lease_s}")
+        if max_held_blocks is not None and max_held_blocks < 0:
+            raise ConfigError(f"max_held_blocks must be >= 0, got {max_held_blocks}")
         self.engine_id, self.role, self.topology = engine_id, role, topology
         self.host, self.base_port, self.block_size = host, base_port, block_size
         self.lease_s, self.load_failure_policy = lease_s, load_failure_policy
@@ -153,7 +158,8 @@ class ConnectorScheduler:
                                   tp_size=topology.tp_size, params_key=key)
         self._grants = HeldGrants(engine_id, host, base_port, topology, block_size,
                                   lease_s=lease_s, clock=clock, groups=groups,
-                                  null_block_id=null_block_id, params_key=key)
+                                  null_block_id=null_block_id, params_key=key,
+                                  max_held_blocks=max_held_blocks)
         self._finished_sending: set[str] = set()
         self._stats = ConnectorStats()  # the workers' transfer counters
 
@@ -355,6 +361,7 @@ class ConnectorScheduler:
         stats.num_params_refused = sum(self._loads.num_refused.values())
         stats.num_grants_issued = self._grants.num_issued
         stats.num_grants_released = self._grants.num_released
+        stats.num_holds_evicted = self._grants.num_evicted
         stats.num_held_blocks = self._grants.num_held_blocks
         stats.num_held_requests = self._grants.num_held_requests
         stats.num_loads_in_flight = self._loads.num_in_flight

@@ -51,6 +51,8 @@ class ConnectorStats:
             (forged, tampered, for another prompt, expired): no read planned.
         num_grants_issued: finished prefills held for remote readers.
         num_grants_released: held prefills whose blocks were given back.
+        num_holds_evicted: holds released before their reader came, to make room
+            under the cap of blocks held for readers.
         num_held_blocks: blocks held for remote readers now (gauge).
         num_held_requests: requests holding them (gauge).
         num_loads_in_flight: loads sent to workers and not finished (gauge).
@@ -70,6 +72,7 @@ class ConnectorStats:
     num_params_refused: int = 0
     num_grants_issued: int = 0
     num_grants_released: int = 0
+    num_holds_evicted: int = 0
     num_held_blocks: int = 0
     num_held_requests: int = 0
     num_loads_in_flight: int = 0
@@ -131,6 +134,9 @@ class ConnectorStats:
                     self.num_grants_issued),
             counter("kv_grants_released_total", "Held prefills released.",
                     self.num_grants_released),
+            counter("kv_holds_evicted_total",
+                    "Holds released before their reader came (cap of held blocks).",
+                    self.num_holds_evicted),
             gauge("kv_held_blocks", "Blocks held for remote readers.", self.num_held_blocks),
             gauge("kv_held_requests", "Requests holding blocks for remote readers.",
                   self.num_held_requests),

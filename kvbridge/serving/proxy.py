@@ -19,7 +19,12 @@ P answering without ``kv_transfer_params`` (no connector) is not an error: D
 then prefills locally. A 4xx from a backend (the client's mistake) is passed
 through; a backend that fails, answers 5xx or exceeds its time limit gives the
 client a 502 with the reason (or, mid-stream, an SSE error event). Every backend
-call has a time limit. ``GET /health`` reports every backend's health.
+call has a time limit. When P has prefilled but D never gets the request
+carrying P's params (D refused it, or the client left after P's first token
+and before D was asked), the proxy asks D in the
+background for one token with them, so that P's blocks are read and let go at
+once rather than held for nobody until their lease ends. ``GET /health``
+reports every backend's health.
 
 Unhealthy backends (``backend_pool.py``): one that could not be
 reached or answered 5xx is skipped for ``unhealthy_backoff_s`` while another of
@@ -128,6 +133,13 @@ class ProxyConfig:
             raise ConfigError(f"time and size limits must be > 0, got {bad_limits}")
 
 
+def _classic_release_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A one-token D request of the client's prompt whose only purpose is that P's held
+    blocks are read and let go (the client's own request did not reach D)."""
+    return {"model": body.get("model"), "prompt": body.get("prompt"), "max_tokens": 1,
+            "temperature": 0.0, "kv_transfer_params": params}
+
+
 def _bad_gateway(message: str) -> ApiError:
     return ApiError(502, message, "bad_gateway")
 
@@ -218,8 +230,13 @@ class PDProxy:
         d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if params is not None:
             d_body["kv_transfer_params"] = params
-        response, url = await self.decode_pool.post(d_body, request_id,
-                                                    self.config.decode_timeout_s, stream)
+        try:
+            response, url = await self.decode_pool.post(d_body, request_id,
+                                                        self.config.decode_timeout_s, stream)
+        except ClientErrorAnswer:
+            if params is not None:  # D refused it: P holds the prompt for nobody
+                self._release_later(_classic_release_body(body, params), request_id)
+            raise
         if stream:
             return ClosingStreamingResponse(self._relay(response, url))
         return Response(response.content, response.status_code, media_type="application/json")
@@ -266,8 +283,13 @@ class PDProxy:
         d_body = first_token.decode_body(body, first, params)
         if stream:
             return ClosingStreamingResponse(self._stream_after(body, first, d_body, request_id))
-        response, _ = await self.decode_pool.post(d_body, request_id,
-                                                  self.config.decode_timeout_s, stream=False)
+        try:
+            response, _ = await self.decode_pool.post(d_body, request_id,
+                                                      self.config.decode_timeout_s, stream=False)
+        except ClientErrorAnswer:
+            if params is not None:  # D refused it: P holds the prompt for nobody
+                self._release_later(first_token.release_body(body, first, params), request_id)
+            raise
         try:
             d_answer: object = response.json()
         except ValueError:
@@ -281,17 +303,26 @@ class PDProxy:
                             d_body: dict[str, Any], request_id: str
                             ) -> AsyncGenerator[bytes, None]:
         """P's token as the first event, then D's stream; a failure of D ends it with an error."""
-        yield sse_event(first_token.first_event(body, first))
+        params = d_body.get("kv_transfer_params")
+        d_refused = asked_d = False
         try:
+            yield sse_event(first_token.first_event(body, first))
+            asked_d = True
             response, url = await self.decode_pool.post(d_body, request_id,
                                                         self.config.decode_timeout_s, True)
         except ApiError as exc:
             yield sse_event(error_body(str(exc), exc.kind)) + SSE_DONE
             return
         except ClientErrorAnswer as exc:
+            d_refused = True
             yield sse_event(error_body(f"decode refused the continuation: "
                                        f"{exc.response.text[:300]}", "bad_gateway")) + SSE_DONE
             return
+        finally:
+            # the client left after P's token (D never asked), or D refused: D reads
+            # nothing, so P's blocks go now rather than at the end of their lease
+            if (d_refused or not asked_d) and isinstance(params, dict):
+                self._release_later(first_token.release_body(body, first, params), request_id)
         async for chunk in first_token.rewrite_events(body, first, self._relay(response, url)):
             yield chunk
 

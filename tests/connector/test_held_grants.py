@@ -14,10 +14,11 @@ from tests.connector.helpers import NOW, Req
 BS = 16
 
 
-def holder(base_port: int = 7000) -> HeldGrants:
+def holder(base_port: int = 7000, max_held_blocks: int | None = None) -> HeldGrants:
     topo = EngineTopology(tp_size=2, pp_size=1, block_size=BS, num_kv_heads=4, is_mla=False,
                           layout=KVLayout.HND, num_layers=2)
-    return HeldGrants("me", "10.0.0.2", base_port, topo, BS, lease_s=30.0, clock=lambda: NOW)
+    return HeldGrants("me", "10.0.0.2", base_port, topo, BS, lease_s=30.0, clock=lambda: NOW,
+                      max_held_blocks=max_held_blocks)
 
 
 def test_hold_queues_a_grant_for_the_prompt_blocks_until_release() -> None:
@@ -62,3 +63,33 @@ def test_hold_refuses_blocks_that_cannot_be_bound_to_the_prompt() -> None:
     grants = holder()
     assert grants.hold(Req("r", list(range(20))), [-1, 6]) is None
     assert grants.num_issued == 0 and not grants.has_pending_work()
+
+
+def test_at_the_cap_the_oldest_holds_are_revoked_first() -> None:
+    grants = holder(max_held_blocks=8)
+    prompt = list(range(48))  # 3 blocks each
+    for rid in ("a", "b"):
+        assert grants.hold(Req(rid, prompt), [1, 2, 3]) is not None
+    grants.dispatch()
+    assert grants.hold(Req("c", prompt), [4, 5, 6]) is not None  # 9 > 8: "a" goes
+    assert grants.dispatch()[1] == ["a"]
+    assert grants.num_evicted == 1 and grants.num_held_blocks == 9  # until "a" is released
+    grants.release("a")
+    assert grants.hold(Req("d", prompt), [7, 8, 9]) is not None  # "b" goes, "c" is new
+    assert grants.dispatch()[1] == ["b"]
+    assert grants.revoke("b") and grants.dispatch()[1] == []  # asked once only
+    assert grants.num_evicted == 2
+
+
+def test_a_hold_that_cannot_fit_under_the_cap_is_not_made() -> None:
+    grants = holder(max_held_blocks=4)
+    prompt = list(range(80))
+    assert grants.hold(Req("big", prompt), [1, 2, 3, 4, 5]) is None  # 5 blocks > 4
+    assert grants.hold(Req("a", prompt[:48]), [1, 2, 3]) is not None
+    # "a" is not dispatched yet (a revocation would reach the workers before its grant)
+    assert grants.hold(Req("b", prompt[:48]), [4, 5, 6]) is None
+    sends, releases = grants.dispatch()
+    assert ([send.request_id for send in sends], releases) == (["a"], [])
+    assert (grants.num_held_requests, grants.num_evicted) == (1, 0)
+    assert grants.hold(Req("c", prompt[:48]), [4, 5, 6]) is not None  # now "a" may go
+    assert grants.dispatch()[1] == ["a"]

@@ -103,7 +103,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = VllmSchedulerSide(facts, settings, groups, transfer_ids, num_groups)
+            self._scheduler = VllmSchedulerSide(
+                facts, settings, groups, transfer_ids, num_groups,
+                num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -151,10 +153,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:  # vLLM also asks the scheduler's connector
             return self._scheduler.take_stats() if self._scheduler is not None else None
         stats = self._worker.take_stats()
-        num_sync_loads = self._worker.take_num_sync_loads()
-        if (stats is None or stats.is_empty()) and not num_sync_loads:
+        num_sync_loads, num_late = self._worker.take_num_sync_loads()
+        if (stats is None or stats.is_empty()) and not num_sync_loads and not num_late:
             return None
-        return KVBridgeStats.of(stats or TransferStats(), num_sync_loads)
+        return KVBridgeStats.of(stats or TransferStats(), num_sync_loads, num_late)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -20,7 +20,10 @@ kvbridge's own engine:
   as received (it is running, not waiting for KV): its id is taken out of the
   workers' ``finished_recving`` after kvbridge's own bookkeeping saw it. A
   failed synchronous load reports its blocks in the same step, so vLLM drops
-  the token computed on them and recomputes or fails as its policy says.
+  the token computed on them and recomputes or fails as its policy says. So
+  does one still running at its deadline (``sync_load_deadline_s``): its read
+  goes on in the background, so a request that ends before that read does
+  keeps its blocks (``delay_free``) until the workers report the read ended.
 """
 
 from __future__ import annotations
@@ -91,22 +94,27 @@ class VllmSchedulerSide:
         groups: the transfer groups (``groups.cache_groups``); None: one group.
         transfer_group_ids: which of vLLM's groups they are (None: all).
         num_groups: vLLM's KV cache groups, transferred or not.
+        num_blocks: blocks of the engine's KV cache (None: unknown, holds not
+            capped); ``settings.max_held_share`` of them may be held for readers.
     """
 
     def __init__(self, facts: EngineFacts, settings: VllmSettings,
                  groups: tuple[CacheGroup, ...] | None = None,
                  transfer_group_ids: tuple[int, ...] | None = None,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, num_blocks: int | None = None) -> None:
         self.facts, self.settings = facts, settings
+        max_held = None if num_blocks is None else int(num_blocks * settings.max_held_share)
         self._scheduler = ConnectorScheduler(
             facts.engine_id, facts.role, facts.topology(fused_kv=False), settings.host,
             settings.base_port, facts.block_size, lease_s=settings.lease_s,
             groups=groups, null_block_id=NULL_BLOCK_ID, secret=settings.secret(),
+            max_held_blocks=max_held,
         )
         self._transfer_group_ids = transfer_group_ids
         self._per_request_failures = num_groups > 1  # vLLM's rule for invalid block ids
         self._received_here: set[str] = set()  # aborted before any worker read them
         self._sync: set[str] = set()  # loads made synchronously, until reported received
+        self._sync_ended: set[str] = set()  # of those, requests ended: free when received
         self._num_refused_reported = 0
         self._gauges_reported: dict[str, int] | None = None
 
@@ -204,6 +212,10 @@ class VllmSchedulerSide:
         if self._received_here:
             output.finished_recving = (output.finished_recving or set()) | self._received_here
             self._received_here = set()
+        freed = self._sync_ended & received_sync
+        if freed:  # ended while their (late) read went on: vLLM frees their blocks now
+            self._sync_ended -= freed
+            output.finished_sending = (output.finished_sending or set()) | freed
 
     # ---------------------------------------------------------------- request end
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
@@ -223,6 +235,9 @@ class VllmSchedulerSide:
             aborted=aborted)
         if load != "dispatched":
             self._sync.discard(request_id)  # no worker will report it
+        elif request_id in self._sync:  # a late synchronous read may still write into them
+            self._sync_ended.add(request_id)
+            return True, None
         if load is not None:
             # a load's blocks are vLLM's to hold until the request is reported received
             if load == "allocated":

@@ -64,6 +64,10 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             cache): for a network you trust. Logged as a warning at every start.
         lease_s: how long P holds a finished prefill's blocks for D's readers
             if they do not report (they normally do within milliseconds).
+        max_held_share: share of P's KV cache blocks that finished prefills
+            held for D's readers may take (default 0.5: the other half stays
+            for new prefills). A new hold beyond it releases the oldest holds
+            first; their readers are refused and D recomputes.
         host_buffer: stage transfers through a host copy of the cache (GPU
             caches on links that cannot reach device memory).
         idle_wait_s: on a step with nothing to compute while transfers are in
@@ -76,6 +80,11 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (about a millisecond per MiB on one host). Larger loads run
             asynchronously while other requests keep stepping. 0: every load
             asynchronous.
+        sync_load_deadline_s: the forward waits at most this long for the
+            step's synchronous loads (default 0.25 s); a load still running
+            then counts as failed and its blocks are recomputed (or the
+            request fails, as ``kv_load_failure_policy`` says), so a slow or
+            stopped P never stalls the whole batch for longer.
         model_id: identity P and D must share (default: the model's name
             and its architecture's sizes). Set it when P and D load the same
             weights from differently named paths.
@@ -89,22 +98,29 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     secret_file: str | None = None
     insecure: bool = False
     lease_s: Seconds = 30.0
+    max_held_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     host_buffer: bool = False
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.02
     sync_load_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 20
+    sync_load_deadline_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.25
     model_id: str | None = None
     agent: dict[str, Any] = {}
 
     def agent_config(self) -> AgentConfig:
         """The transfer agent's config with ``agent`` applied over the defaults.
 
+        Same-host copies are made on the caller's (vLLM's forward) thread up to
+        ``sync_load_max_bytes`` only, unless ``agent`` sets ``inline_copy_max_nbytes``.
+
         Raises:
             ConfigError: an unknown field or a bad value.
         """
         try:
-            return AgentConfig.from_options({"lease_s": self.lease_s,
-                                             "listen_host": self.listen_host or self.host,
-                                             **self.agent})
+            # a same-host copy made inline runs on vLLM's forward thread: only the
+            # synchronous loads' sizes (larger ones go to the agent's own threads)
+            return AgentConfig.from_options({
+                "lease_s": self.lease_s, "listen_host": self.listen_host or self.host,
+                "inline_copy_max_nbytes": self.sync_load_max_bytes, **self.agent})
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.agent: {exc}") from None
 

@@ -11,6 +11,8 @@ API server, where :class:`KVBridgePromMetrics` counts it on ``/metrics``::
     vllm:kvbridge_transfer_bytes_total       KV bytes received
     vllm:kvbridge_local_copies_total         completed reads copied out of P's process (same host)
     vllm:kvbridge_sync_loads_total           reads made before the forward of their request's step
+    vllm:kvbridge_sync_loads_late_total      of those, reads the forward stopped waiting for
+                                             (sync_load_deadline_s): recomputed
     vllm:kvbridge_transfer_seconds           histogram of read durations
     vllm:kvbridge_params_refused_total       requests whose kv_transfer_params D refused
                                              (forged, tampered, other prompt, expired)
@@ -40,7 +42,7 @@ from kvbridge.connector.stats import DURATION_BUCKETS_S
 __all__ = ["KVBridgePromMetrics", "KVBridgeStats"]
 
 _COUNTS = ("num_transfers", "num_failures", "nbytes", "num_local_copies")
-_SCHEDULER_COUNTS = ("num_sync_loads", "num_params_refused")
+_SCHEDULER_COUNTS = ("num_sync_loads", "num_late_sync_loads", "num_params_refused")
 _GAUGES = ("held_bytes", "held_requests")  # only the scheduler side reports these
 
 
@@ -48,11 +50,13 @@ class KVBridgeStats(KVConnectorStats):
     """vLLM's stats container holding kvbridge's ``TransferStats`` fields in ``data``."""
 
     @classmethod
-    def of(cls, stats: TransferStats, num_sync_loads: int = 0) -> KVBridgeStats:
+    def of(cls, stats: TransferStats, num_sync_loads: int = 0,
+           num_late_sync_loads: int = 0) -> KVBridgeStats:
         """The vLLM form of one worker's ``TransferStats`` (and its synchronous loads)."""
         data: dict[str, Any] = {name: getattr(stats, name) for name in _COUNTS}
         data["durations_s"] = list(stats.durations_s)
         data["num_sync_loads"] = num_sync_loads
+        data["num_late_sync_loads"] = num_late_sync_loads
         return cls(data=data)
 
     @classmethod
@@ -83,6 +87,7 @@ class KVBridgeStats(KVConnectorStats):
         if not isinstance(other, KVBridgeStats):
             raise TypeError(f"cannot aggregate KVBridgeStats with {type(other).__name__}")
         merged = KVBridgeStats.of(self.to_transfer_stats().aggregate(other.to_transfer_stats()))
+        # counts beside the transfer stats (sync loads: the workers'; refusals: the scheduler's)
         for key in _SCHEDULER_COUNTS:
             merged.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
         for key in _GAUGES:  # the latest of the one scheduler side's
@@ -102,6 +107,7 @@ class KVBridgeStats(KVConnectorStats):
             "MiB": round(stats.nbytes / (1 << 20), 3),
             "local_copies": stats.num_local_copies,
             "sync_loads": self.num_sync_loads,
+            "late_sync_loads": int(self.data.get("num_late_sync_loads", 0)),
             "avg_ms": round(1e3 * seconds / len(durations), 3) if durations else 0.0,
             "p50_ms": round(1e3 * durations[len(durations) // 2], 3) if durations else 0.0,
             "GB/s": round(stats.nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
@@ -132,6 +138,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                  "completed KV reads copied out of a process on this host"),
             "num_sync_loads": ("vllm:kvbridge_sync_loads",
                                "KV reads made before the forward of their request's step"),
+            "num_late_sync_loads": ("vllm:kvbridge_sync_loads_late",
+                                    "synchronous KV reads the forward stopped waiting for"),
             "num_params_refused": ("vllm:kvbridge_params_refused",
                                    "requests whose kv_transfer_params were refused (no read)"),
         }

@@ -16,11 +16,18 @@ say something ended, so an engine waiting for KV neither spins nor adds a
 polling delay to the transfer.
 
 Synchronous loads (``StepMetadata.sync_loads``, small reads the step's forward
-computes on): ``start_load_kv`` returns only when they have ended, well or
-not. What the agent reported meanwhile is kept and reported by this step's
-``get_finished``, failed blocks included, so vLLM drops a token computed on
-blocks that did not arrive. A read always ends: the agent's deadlines
-(connect, reply, chunk, ``read_timeout_s``) fail it otherwise.
+computes on): ``start_load_kv`` returns when they have ended, well or not, or
+when their deadline (``VllmSettings.sync_load_deadline_s``) has passed,
+whichever comes first: a slow or stopped P never holds the whole batch for
+longer. What the agent reported meanwhile is kept and reported by this
+step's ``get_finished``, failed blocks included, so vLLM drops a token
+computed on blocks that did not arrive. A load still running at its deadline
+counts as failed: its blocks are reported invalid at once (vLLM recomputes
+them, or fails the request, as its policy says), and its read goes on in the
+background until the agent's own deadlines end it. Its blocks stay the
+request's until then (``VllmSchedulerSide`` delays their free), and what it
+reports when it ends is not reported again. A late read writes the same
+prompt's KV that D recomputes (the grant is bound to the prompt).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kvbridge.connector.metadata import RecvRequest
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
@@ -50,7 +58,13 @@ __all__ = ["VllmWorkerSide"]
 
 logger = logging.getLogger(__name__)
 
-_SYNC_WARN_EVERY_S = 5.0
+
+
+def written_block_ids(recv: RecvRequest, block_size: int) -> set[int]:
+    """The local blocks a read writes (a partly loaded first block included)."""
+    end_block = -(-recv.end_token // block_size)
+    return set(recv.local_block_ids[recv.first_token // block_size : end_block]) | set(
+        recv.missing_block_ids)
 
 
 class VllmWorkerSide:
@@ -75,6 +89,8 @@ class VllmWorkerSide:
         self._failed_recving: set[str] = set()
         self._stats: TransferStats | None = None
         self._num_sync_loads = 0
+        self._num_late_sync_loads = 0
+        self._late: dict[str, set[int]] = {}  # late sync load -> its blocks (reported invalid)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Start this worker's transfer agent on vLLM's caches.
@@ -123,31 +139,47 @@ class VllmWorkerSide:
         worker = self._require()
         worker.start_load_kv(metadata.work)
         if metadata.sync_loads:
-            self._finish_sync_loads(worker, set(metadata.sync_loads))
+            blocks = {recv.request_id: written_block_ids(recv, self.facts.block_size)
+                      for recv in metadata.work.reqs_to_recv
+                      if recv.request_id in metadata.sync_loads}
+            self._finish_sync_loads(worker, blocks)
 
-    def _finish_sync_loads(self, worker: ConnectorWorker, waiting: set[str]) -> None:
-        """Block until every read in ``waiting`` has ended (the agent's deadlines bound it)."""
-        self._num_sync_loads += len(waiting)
-        started = time.monotonic()
-        warn_at = started + _SYNC_WARN_EVERY_S
+    def _finish_sync_loads(self, worker: ConnectorWorker, blocks: dict[str, set[int]]) -> None:
+        """Wait until every read in ``blocks`` has ended, or their deadline has passed.
+
+        Args:
+            blocks: the local blocks each synchronous load writes, by request.
+        """
+        self._num_sync_loads += len(blocks)
+        waiting = set(blocks)
+        deadline = time.monotonic() + self.settings.sync_load_deadline_s
         while True:
             self._news.clear()
             self._collect(worker, worker.get_output())
             waiting -= self._recving
-            if not waiting:
-                return
-            self._news.wait(_SYNC_WARN_EVERY_S)
-            if time.monotonic() >= warn_at:
-                logger.warning("synchronous loads of %s still running after %.0fs (the "
-                               "forward waits for them)", sorted(waiting),
-                               time.monotonic() - started)
-                warn_at += _SYNC_WARN_EVERY_S
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            self._news.wait(left)
+        if not waiting:
+            return
+        logger.warning("synchronous loads of %s still running after %.3fs "
+                       "(sync_load_deadline_s): their blocks are recomputed; the reads go "
+                       "on in the background", sorted(waiting), self.settings.sync_load_deadline_s)
+        self._num_late_sync_loads += len(waiting)
+        for request_id in waiting:
+            self._late[request_id] = blocks[request_id]
+            self._invalid |= blocks[request_id]
 
     def _collect(self, worker: ConnectorWorker, output: KVConnectorOutput) -> None:
         self._sending |= output.finished_sending or set()
-        self._recving |= output.finished_recving or set()
-        self._invalid |= output.invalid_block_ids
-        self._failed_recving |= worker.take_failed_recving()
+        recving = output.finished_recving or set()
+        self._recving |= recving
+        late_blocks = set().union(*self._late.values()) if self._late else set()
+        self._invalid |= output.invalid_block_ids - late_blocks  # reported at the deadline
+        self._failed_recving |= worker.take_failed_recving() - self._late.keys()
+        for request_id in recving & self._late.keys():
+            del self._late[request_id]
         stats = output.kv_connector_stats
         if isinstance(stats, TransferStats):
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
@@ -189,10 +221,11 @@ class VllmWorkerSide:
         stats, self._stats = self._stats, None
         return stats
 
-    def take_num_sync_loads(self) -> int:
-        """Synchronous loads made since the last call."""
+    def take_num_sync_loads(self) -> tuple[int, int]:
+        """Synchronous loads made since the last call, and those of them that were late."""
         num, self._num_sync_loads = self._num_sync_loads, 0
-        return num
+        late, self._num_late_sync_loads = self._num_late_sync_loads, 0
+        return num, late
 
     def shutdown(self) -> None:
         """Stop the transfer agent. Idempotent."""

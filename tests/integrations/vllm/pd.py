@@ -38,6 +38,7 @@ FAILURES = "vllm:kvbridge_transfer_failures_total"
 BYTES = "vllm:kvbridge_transfer_bytes_total"
 SYNC_LOADS = "vllm:kvbridge_sync_loads_total"
 PARAMS_REFUSED = "vllm:kvbridge_params_refused_total"
+LATE_SYNC_LOADS = "vllm:kvbridge_sync_loads_late_total"
 HELD_BYTES = "vllm:kvbridge_held_bytes"
 HELD_REQUESTS = "vllm:kvbridge_held_requests"
 
@@ -157,7 +158,8 @@ class PDResult(NamedTuple):
 def counters(url: str) -> dict[str, float]:
     """D's transfer counters now (0 for those not exposed yet)."""
     now = metrics(url)
-    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS, SYNC_LOADS, PARAMS_REFUSED)
+    names = (TRANSFERS, FAILURES, BYTES, EXTERNAL_PREFIX_CACHE_HITS, SYNC_LOADS, PARAMS_REFUSED,
+             LATE_SYNC_LOADS)
     return {name: now.get(name, 0.0) for name in names}
 
 

@@ -34,6 +34,8 @@ from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     BYTES,
     FAILURES,
+    HELD_BYTES,
+    HELD_REQUESTS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
     SECRET_ENV,
@@ -276,21 +278,60 @@ def test_client_leaving_d_gives_every_block_back(
         wait_usage(d.base_url)
 
 
-def test_unread_prefill_is_held_until_its_lease_ends(
+def test_unread_prefills_are_capped_and_held_until_their_lease_ends(
     vllm_servers: ServersForTest,
     tiny_llama: Path,
 ) -> None:
+    """A flood of prefills nobody reads takes at most half of P's cache (the default
+    ``max_held_share``: the oldest holds go first) and new prefills still run; the
+    holds left end with their lease."""
+    num_blocks = 65  # what the longest context (8192 tokens) needs, and vLLM's null block
     spec = ServerSpec(
         tiny_llama,
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps({**ZERO_CONFIG, "kv_connector_extra_config": {"lease_s": 3}}),
+        kv_transfer_config=kv_config(lease_s=10),
+        extra_args=("--num-gpu-blocks-override", str(num_blocks)),
         instance="lease",
     )
     p = vllm_servers.private(spec)
-    prefill(p.base_url, prompt_ids(700, seed=6))  # nobody ever reads it
-    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)
-    wait_usage(p.base_url, timeout_s=15)
+    prompts = [prompt_ids(9 * BLOCK_SIZE - 50, seed=80 + i) for i in range(8)]  # 9 blocks each
+    for prompt in prompts:  # 72 blocks held for nobody without a cap: the last would wait
+        prefill(p.base_url, prompt)
+    cap = num_blocks // 2 * BLOCK_NBYTES
+    poll_metrics(p.base_url, lambda m: 0 < m.get(HELD_BYTES, 0) <= cap
+                 and m.get(KV_CACHE_USAGE, 1) <= 0.5)
+    answer = complete(p.base_url, prompt_ids(4000, seed=89), 4)  # a new prefill runs
+    assert len(answer.token_ids) == 4
+    wait_usage(p.base_url, timeout_s=30)  # the lease (10 s) of those held ended
+    poll_metrics(p.base_url, lambda m: m.get(HELD_REQUESTS, 1) == 0)
+
+
+def test_kvbridge_proxy_lets_p_go_when_d_refuses_or_the_client_leaves(
+    vllm_servers: ServersForTest,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    """P's blocks go back at once (not at the end of their 30 s lease) when D refuses the
+    request P prefilled for it, or when the client leaves after P's first token."""
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    wait_usage(p.base_url)
+    body = {"model": str(p.spec.model), "temperature": 0.0, "ignore_eos": True}
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+        for stream in (False, True):  # P answers (max_tokens 1); D: 600 + 8000 > 8192
+            refused = {**body, "prompt": prompt_ids(600, seed=90 + stream), "max_tokens": 8000,
+                       "stream": stream}
+            response = httpx.post(f"{proxy}/v1/completions", json=refused, timeout=60)
+            assert response.status_code >= 400 or "decode refused" in response.text, (
+                response.text[:300])
+            wait_usage(p.base_url)
+        gone = {**body, "prompt": prompt_ids(700, seed=92), "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{proxy}/v1/completions", json=gone, timeout=60) as response:
+            for _ in response.iter_lines():
+                break  # P's token came: the client leaves
+        wait_usage(p.base_url)
+        wait_usage(d.base_url)
 
 
 def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(

@@ -9,6 +9,8 @@ the load failed rather than happened.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ from tests.integrations.vllm.pd import (
     BLOCK_NBYTES,
     BLOCK_SIZE,
     FAILURES,
+    LATE_SYNC_LOADS,
     NUM_NEW_TOKENS,
     SYNC_LOADS,
     TRANSFERS,
@@ -63,6 +66,7 @@ def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Pa
     prompts = [prompt_ids(300, seed=29), prompt_ids(650, seed=30)]  # 3 and 6 blocks
     expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
     params = [prefill(p.base_url, prompt) for prompt in prompts]
+    check_a_stopped_p_stalls_no_forward(p, d_recompute)
     p.stop()
 
     before = counters(d_recompute.base_url)
@@ -80,6 +84,30 @@ def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Pa
     wait_usage(d_fail.base_url)
     # the failed D still serves: a request without params answers as colocated
     assert complete(d_fail.base_url, prompts[1], NUM_NEW_TOKENS).token_ids == expected[1]
+
+
+def check_a_stopped_p_stalls_no_forward(p: VllmServer, d: VllmServer) -> None:
+    """A synchronous load from a P that stopped (SIGSTOP: its listener still accepts,
+    nothing answers) ends at its deadline, not at the agent's: the request is
+    recomputed, and the read ends later in the background."""
+    prompt = prompt_ids(300, seed=31)  # 3 blocks: synchronous
+    expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
+    params = prefill(p.base_url, prompt)
+    before = counters(d.base_url)
+    assert p.pid is not None
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+        assert done.token_ids == expected
+        # the forward stopped waiting; the read failed later, on the agent's deadlines
+        after = poll_metrics(d.base_url, lambda m: m.get(FAILURES, 0) > before[FAILURES],
+                             timeout_s=60)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    assert after[LATE_SYNC_LOADS] == before[LATE_SYNC_LOADS] + 1
+    assert after[SYNC_LOADS] == before[SYNC_LOADS] + 1
+    assert after[TRANSFERS] == before[TRANSFERS]
+    wait_usage(d.base_url)
 
 
 def test_a_peer_without_the_secret_is_refused(

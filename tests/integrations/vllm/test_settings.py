@@ -94,3 +94,14 @@ def test_a_reachable_host_needs_a_secret_or_insecure(tmp_path: Path,
     local = parse_settings({})
     assert local.secret() == (tmp_path / "kvb" / "secret").read_bytes().strip()
     assert local.agent_config().listen_host == "127.0.0.1"
+
+
+def test_holds_and_synchronous_loads_are_bounded_by_default() -> None:
+    settings = parse_settings({})
+    assert settings.max_held_share == 0.5 and settings.sync_load_deadline_s < 1
+    # nothing larger than a synchronous load is copied on vLLM's forward thread
+    assert settings.agent_config().inline_copy_max_nbytes == settings.sync_load_max_bytes
+    assert parse_settings({"sync_load_max_bytes": 0}).agent_config().inline_copy_max_nbytes == 0
+    for bad in ({"max_held_share": 0}, {"max_held_share": 1.5}, {"sync_load_deadline_s": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            parse_settings(bad)
