@@ -42,9 +42,6 @@ LATE_SYNC_LOADS = "vllm:kvbridge_sync_loads_late_total"
 HELD_BYTES = "vllm:kvbridge_held_bytes"
 HELD_REQUESTS = "vllm:kvbridge_held_requests"
 
-#: A cluster secret for P and D (``$KVBRIDGE_SECRET``): P signs its params with it.
-SECRET_ENV = (("KVBRIDGE_SECRET", "test cluster secret, 32 bytes..."),)
-
 # per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2
 

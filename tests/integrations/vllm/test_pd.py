@@ -1,8 +1,8 @@
 """P/D through KVBridgeConnector in real vLLM servers, token for token against colocated vLLM.
 
 Servers (bf16 tiny Llama, block size 128, TP 1): a plain colocated vLLM for the
-reference answers, P and D with the zero config a user types and a cluster
-secret (``$KVBRIDGE_SECRET``: P signs the params it hands out, D checks them). Each P/D answer
+reference answers, P and D with the zero config a user types (authenticated
+by this user's host secret: P signs the params it hands out, D checks them). Each P/D answer
 must equal the colocated one and D must have loaded the prompt's KV through the
 connector (kvbridge's transfer counters and vLLM's external prefix-cache hits),
 and P must give its blocks back once D has read them.
@@ -38,7 +38,6 @@ from tests.integrations.vllm.pd import (
     HELD_REQUESTS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
-    SECRET_ENV,
     SYNC_LOADS,
     TEXT_PROMPTS,
     TRANSFERS,
@@ -73,7 +72,6 @@ def p_spec(tiny_llama: Path) -> ServerSpec:
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
         kv_transfer_config=json.dumps(ZERO_CONFIG),
-        env=SECRET_ENV,
         instance="p",
     )
 
@@ -85,7 +83,6 @@ def d_spec(tiny_llama: Path) -> ServerSpec:
         dtype="bfloat16",
         block_size=BLOCK_SIZE,
         kv_transfer_config=json.dumps(ZERO_CONFIG),
-        env=SECRET_ENV,
         instance="d",
     )
 
@@ -350,7 +347,6 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
     d_mixed = ServerSpec(
         tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE, instance="d-mixed",
         kv_transfer_config=kv_config(sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES),
-        env=SECRET_ENV,
     )
     p, d = pd_pair(vllm_servers, p_spec, d_mixed)
     before = counters(d.base_url)
