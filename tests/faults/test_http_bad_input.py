@@ -249,19 +249,23 @@ def test_a_client_reaching_p_and_d_directly_cannot_poison_ds_prefix_cache(pd: PD
     params = p_answer.json()["kv_transfer_params"]
     attacked = post(pd.decode.url, {**body, "kv_transfer_params": params})
     assert attacked.status_code == 200
-    # P refused every read (the grant holds another prompt): D recomputed the victim's prompt
+    # D refused P's params for another prompt before reading (P would refuse the read
+    # too: the grant holds another prompt): D recomputed the victim's prompt
     assert tokens(attacked) == expected
     after = metrics(pd.decode.url)
     assert after["kvbridge_kv_transfer_bytes_total"] == before["kvbridge_kv_transfer_bytes_total"]
-    assert after["kvbridge_kv_loads_failed_total"] == before["kvbridge_kv_loads_failed_total"] + 1
+    assert after["kvbridge_kv_loads_failed_total"] == before["kvbridge_kv_loads_failed_total"]
+    assert (after["kvbridge_kv_params_refused_total"]
+            == before["kvbridge_kv_params_refused_total"] + 1)
     # an innocent client, through the proxy, must still get the right answer
     assert tokens(post(pd.proxy.url, body)) == expected
     assert_settled(pd)  # the refused grant was given back: P holds nothing for 600 s
 
 
 def test_reordered_block_ids_cannot_poison_ds_prefix_cache(pd: PD) -> None:
-    """The right prompt with P's blocks named in another order: a read names blocks only
-    as a set, so the grant is bound to their order too, and D recomputes."""
+    """The right prompt with P's blocks named in another order: the params are not what
+    P signed, so D reads nothing (were they unsigned, P's grant is bound to the blocks'
+    order too: a read names blocks only as a set), and D recomputes."""
     victim = "Another victim whose prompt spans several of P's sixteen-token blocks."
     body: dict[str, Any] = {"prompt": victim, "max_tokens": 6, "ignore_eos": True}
     expected = tokens(post(pd.prefill.url, body))
@@ -274,5 +278,10 @@ def test_reordered_block_ids_cannot_poison_ds_prefix_cache(pd: PD) -> None:
     assert tokens(post(pd.decode.url, {**body, "kv_transfer_params": reordered})) == expected
     after = metrics(pd.decode.url)
     assert after["kvbridge_kv_transfer_bytes_total"] == before["kvbridge_kv_transfer_bytes_total"]
+    # not what P signed: refused, and D told no one; P's own params then find the prompt
+    # in D's prefix cache and D gives P's grant back
+    assert (after["kvbridge_kv_params_refused_total"]
+            == before["kvbridge_kv_params_refused_total"] + 1)
+    assert tokens(post(pd.decode.url, {**body, "kv_transfer_params": params})) == expected
     assert tokens(post(pd.proxy.url, body)) == expected
     assert_settled(pd)
