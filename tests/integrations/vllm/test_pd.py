@@ -316,9 +316,12 @@ def test_kvbridge_proxy_lets_p_go_when_d_refuses_or_the_client_leaves(
     wait_usage(p.base_url)
     body = {"model": str(p.spec.model), "temperature": 0.0, "ignore_eos": True}
     with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
-        for stream in (False, True):  # P answers (max_tokens 1); D: 600 + 8000 > 8192
-            refused = {**body, "prompt": prompt_ids(600, seed=90 + stream), "max_tokens": 8000,
-                       "stream": stream}
+        # P answers (the proxy asks it for one token, not streamed); D refuses (400)
+        d_refuses = [{"stream": False, "stream_options": {"include_usage": True}},
+                     {"stream": True, "min_tokens": 10}]  # > max_tokens
+        for seed, changes in enumerate(d_refuses):
+            refused = {**body, "prompt": prompt_ids(600, seed=90 + seed), "max_tokens": 5,
+                       **changes}
             response = httpx.post(f"{proxy}/v1/completions", json=refused, timeout=60)
             assert response.status_code >= 400 or "decode refused" in response.text, (
                 response.text[:300])
