@@ -43,10 +43,14 @@ its reason (``ParamsRefusal``) and counted (``num_refused``).
 Several KV cache groups (``groups``: sliding-window or recurrent-state layers
 beside full attention): each group moves what ``kvbridge.topology.groups``
 says (a window's blocks, the state after ``end`` tokens), all groups in one
-read of block pairs, block sizes equal on both sides. A load that could not
-be exact (P's state is for another token count, P freed a block of the window
-D needs, TP sizes differ under a state) is not made: the request prefills
-locally and a log line names the reason.
+read of block pairs, block sizes equal on both sides. A state after ``end``
+tokens exists on P only if P stopped there: in the classic flow a state
+model's P computes the prompt without its last token (``end = n``); asked
+for the first-token flow it computes it all and D's prompt has P's token
+after it (``end = n`` again). A load that could not be exact (P's state is
+for another token count, P freed a block of the window D needs, TP sizes
+differ under a state) is not made: the request prefills locally and a log
+line names the reason.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_LEN)]
-_OMIT_WHEN_EMPTY = frozenset({"remote_groups"})
+_OMIT_WHEN_EMPTY = frozenset({"remote_groups", "first_token_flow"})
 Hex32 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 _KEY_DOMAIN = b"kvbridge-kv-transfer-params-v1"
 
@@ -63,6 +63,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         do_remote_decode: (to P) keep the prompt's KV for a remote decoder and
             answer with params for it.
+        first_token_flow: (to P, with ``do_remote_decode``) D's prompt will be
+            this prompt and P's token (``kvbridge proxy``'s first-token flow).
+            Without it D recomputes the prompt's last token (the classic flow:
+            vllm-router, vLLM's toy proxy), and P of a model with a recurrent
+            state stops one token short: the state D needs is the one before it.
         do_remote_prefill: (to D) load the prompt's KV from the remote prefill.
         remote_engine_id: P's engine id.
         remote_host: P's transfer host.
@@ -88,6 +93,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     do_remote_decode: bool = False
+    first_token_flow: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: Name | None = None
     remote_host: Name | None = None
@@ -106,7 +112,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_json_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (fields that are ``None`` are left out, and
-        ``remote_groups`` when it is empty: one group)."""
+        ``remote_groups`` when it is empty: one group, ``first_token_flow`` when false)."""
         built: dict[str, Any] = msgspec.to_builtins(self)
         return {key: value for key, value in built.items()
                 if value is not None and not (key in _OMIT_WHEN_EMPTY and not value)}
@@ -157,8 +163,10 @@ def params_key(secret: bytes | None) -> bytes | None:
 
 def _mac(params: KVTransferParams, key: bytes) -> str:
     # msgspec encodes every field in declaration order: one byte string per value of
-    # the struct, and D decodes P's JSON back to the same struct (floats round-trip)
-    unsigned = msgspec.structs.replace(params, signature=None, do_remote_decode=False)
+    # the struct, and D decodes P's JSON back to the same struct (floats round-trip);
+    # the fields that only ask P for something are not P's to vouch for
+    unsigned = msgspec.structs.replace(params, signature=None, do_remote_decode=False,
+                                       first_token_flow=False)
     return hmac.new(key, msgspec.json.encode(unsigned), hashlib.sha256).hexdigest()
 
 

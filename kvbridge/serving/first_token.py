@@ -86,8 +86,10 @@ def plan(body: dict[str, Any]) -> bool:
 
 def prefill_body(body: dict[str, Any], first_token: bool) -> dict[str, Any]:
     """What P is asked: one token, not streamed, blocks kept for D (and its token ids)."""
-    p_body = {**body, "max_tokens": 1, "stream": False,
-              "kv_transfer_params": {"do_remote_decode": True}}
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if first_token:  # P computes the whole prompt (a state model's P stops short otherwise)
+        params["first_token_flow"] = True
+    p_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
     p_body.pop("stream_options", None)  # refused by vLLM without stream
     if isinstance(body.get("min_tokens"), int):
         p_body["min_tokens"] = min(body["min_tokens"], 1)  # no EOS as t1 if the client said so

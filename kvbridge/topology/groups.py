@@ -12,7 +12,8 @@ and holds a null block where nothing is kept. Kinds (:class:`CacheGroup`)::
             token attends to; the engine freed the others (null blocks)
     state   a recurrent state (Mamba, gated delta net): one block holding the
             state after the last computed token. It cannot be rewound: D must
-            continue exactly where P stopped (``remote_num_tokens == end``).
+            continue exactly where P stopped (``remote_num_tokens == end``);
+            in the classic flow P stops one token short of the prompt for it.
 
 P holds one contiguous run of blocks per group (a *span*: first block index,
 number of blocks); D reads, per group, the blocks its own manager allocated
@@ -191,7 +192,10 @@ def load_problem(
             if remote_num_tokens != end:
                 return (f"the {group.name} group's recurrent state on P is the state after "
                         f"{remote_num_tokens} tokens; this request continues after {end} "
-                        f"(a state cannot be rewound)")
+                        f"(a state cannot be rewound: P computes the prompt without its last "
+                        f"token unless asked for the first-token flow, and D must be asked "
+                        f"the same way: the classic flow with the plain prompt, or the "
+                        f"prompt and P's token after first_token_flow)")
             if count != 1:
                 return f"P holds {count} blocks of the {group.name} group's state, not 1"
             continue

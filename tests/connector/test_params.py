@@ -111,3 +111,10 @@ def test_parsing_arbitrary_json_never_raises(raw: object) -> None:
     parsed = parse_kv_transfer_params(raw)
     if parsed is not None and parsed.do_remote_prefill:
         assert parsed.missing_for_prefill() == []
+
+
+def test_the_first_token_flow_mark_reaches_p_and_is_left_out_when_false() -> None:
+    parsed = parse_kv_transfer_params({"do_remote_decode": True, "first_token_flow": True})
+    assert parsed is not None and parsed.first_token_flow
+    assert parsed.to_json_dict()["first_token_flow"] is True
+    assert "first_token_flow" not in KVTransferParams(do_remote_decode=True).to_json_dict()

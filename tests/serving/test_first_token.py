@@ -202,7 +202,7 @@ def test_the_answer_equals_colocated_and_d_continues_after_ps_token() -> None:
     assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] is None
     [p_body], [d_body] = p.bodies, d.bodies
     assert (p_body["max_tokens"], p_body["return_token_ids"]) == (1, True)
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "first_token_flow": True}
     assert d_body["prompt"] == [*PROMPT, want[0]] and d_body["max_tokens"] == 5
     assert d_body["kv_transfer_params"]["remote_num_tokens"] == len(PROMPT)
 

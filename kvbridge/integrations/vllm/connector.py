@@ -163,6 +163,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
     # ================================================================ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -14,6 +14,13 @@ kvbridge's own engine:
 - P's workers listen on ports of their own choosing (zero config): the
   scheduler learns them from vLLM's handshake (``set_worker_addresses``) and
   announces them in every ``kv_transfer_params`` it returns.
+- A model with a recurrent state (Mamba, linear attention) in the classic
+  flow: D recomputes the prompt's last token and needs the state before it,
+  which P's state after the whole prompt cannot be rewound to. P therefore
+  leaves that token out before scheduling the request
+  (:meth:`VllmSchedulerSide.on_new_request`, as vLLM's NixlConnector does);
+  only a request marked ``first_token_flow`` (D continues after P's token)
+  is computed whole.
 - Small loads are synchronous (``VllmSettings.sync_load_max_bytes``): vLLM
   schedules the request in the step that allocates it and the workers finish
   the read before that step's forward. vLLM must then not hear of the request
@@ -43,7 +50,7 @@ from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import EngineFacts
-from kvbridge.integrations.vllm.groups import NULL_BLOCK_ID
+from kvbridge.integrations.vllm.groups import NULL_BLOCK_ID, has_state
 from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
 from kvbridge.integrations.vllm.settings import VllmSettings
 from kvbridge.integrations.vllm.stats import KVBridgeStats
@@ -111,6 +118,7 @@ class VllmSchedulerSide:
             max_held_blocks=max_held,
         )
         self._transfer_group_ids = transfer_group_ids
+        self._stops_short = has_state(groups) and facts.role != "decode"
         self._per_request_failures = num_groups > 1  # vLLM's rule for invalid block ids
         self._received_here: set[str] = set()  # aborted before any worker read them
         self._sync: set[str] = set()  # loads made synchronously, until reported received
@@ -144,6 +152,31 @@ class VllmSchedulerSide:
                               f"(its log says why)")
         if self.settings.base_port == 0:
             self._scheduler.set_worker_ports([ports[rank] for rank in range(world_size)])
+
+    # ---------------------------------------------------------------- serving (P)
+    def on_new_request(self, request: Request) -> None:
+        """P of a state model, classic flow: drop the prompt's last token before scheduling.
+
+        D will recompute that token from the state before it, so P computes
+        the prompt without it and its state (and KV) is the one D continues
+        from; P's own token is sampled there and only the params matter
+        (the classic flow throws P's token away). vLLM's NixlConnector does
+        the same (``_truncate_request_for_prefill``). A request whose params
+        say ``first_token_flow``, or that asks for prompt logprobs (vLLM then
+        reads no prefix cache: D recomputes its whole prompt), is computed whole.
+        """
+        if not self._stops_short or request.kv_transfer_params is None:
+            return
+        params = parse_kv_transfer_params(request.kv_transfer_params)
+        tokens = request.prompt_token_ids
+        if (params is None or not params.do_remote_decode or params.first_token_flow
+                or tokens is None or request.num_prompt_tokens < 3
+                or request.num_computed_tokens or request.get_skip_reading_prefix_cache()):
+            return
+        del tokens[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
 
     # ---------------------------------------------------------------- loading (D)
     def get_num_new_matched_tokens(self, request: Request,

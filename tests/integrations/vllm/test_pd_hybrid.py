@@ -10,12 +10,14 @@ prompt), random-weight models built here (``tiny_hybrid.py``):
   others (kvbridge's byte counter says how many).
 - linear attention: a Qwen3-Next shape, 3 gated-delta-net layers (a recurrent
   state per request) and 1 full-attention layer, MoE; vLLM makes its block
-  size 160 (a state's page). P holds the state after the whole prompt; D
-  continues after P's token (``kvbridge proxy``'s first-token flow, here by
-  hand: D's prompt is the prompt and P's token), loading the full-attention
-  blocks and the three states. Asked the classic way (D recomputes the last
-  prompt token: it would need the state one token earlier), D does not load
-  and prefills itself.
+  size 160 (a state's page). Both flows, on the same servers: classic (D
+  recomputes the last prompt token: P, asked without ``first_token_flow``,
+  computes the prompt without it and holds the state before it) and
+  first-token (``kvbridge proxy``'s flow, here also by hand: P computes the
+  whole prompt, D's prompt is the prompt and P's token). D loads the
+  full-attention blocks and the three states either way. A D asked the
+  classic way with params of a P asked for the first-token flow does not
+  load and prefills itself.
 
 Every group of a model shares one cache buffer here (one layer per group), so
 a block of any group is one page of that buffer.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,13 +76,17 @@ class Family:
     many: int  # a prompt of many blocks
 
     @property
-    def classic(self) -> bool:
-        """Whether D loads in the classic flow (recomputing the last prompt token)."""
-        return self.num_states == 0
+    def flows(self) -> tuple[str, ...]:
+        """The flows checked by hand: a state model's P serves both differently."""
+        return ("classic", "first-token") if self.num_states else ("classic",)
 
-    def end(self, num_prompt_tokens: int) -> int:
+    def end(self, num_prompt_tokens: int, flow: str = "classic") -> int:
         """Tokens D loads of a prompt (all but the last, or after P's token: all)."""
-        return num_prompt_tokens - 1 if self.classic else num_prompt_tokens
+        return num_prompt_tokens - 1 if flow == "classic" else num_prompt_tokens
+
+    def held(self, num_prompt_tokens: int, flow: str = "classic") -> int:
+        """Tokens P computes for D (a state model's P leaves the last one to a classic D)."""
+        return self.end(num_prompt_tokens, flow) if self.num_states else num_prompt_tokens
 
     def nbytes(self, first_token: int, end: int) -> int:
         """Bytes D reads to load tokens ``[first_token, end)`` (and the states after ``end``)."""
@@ -142,6 +148,35 @@ def colocated(p: VllmServer, prompt: list[int]) -> list[int]:
     return complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
 
 
+def pd_prompt(p: VllmServer, family: Family, num_tokens: int, seed: int,
+              prefix: Sequence[int] = ()) -> list[int]:
+    """``prefix`` and ``num_tokens`` more; for a state model, a prompt whose last
+    token is P's own greedy answer to the rest (see ``expected``)."""
+    prompt = [*prefix, *prompt_ids(num_tokens, seed=seed)]
+    if not family.num_states:
+        return prompt
+    return prompt[:-1] + complete(p.base_url, prompt[:-1], 1).token_ids
+
+
+def expected(p: VllmServer, family: Family, prompt: list[int], flow: str = "classic"
+             ) -> list[int]:
+    """Colocated vLLM's answer, computed as D computes it.
+
+    In the classic flow D computes a state model's last prompt token with
+    vLLM's recurrent (decode) kernel from the state after the others, where
+    colocated vLLM computes it within its chunked prefill: the same sums in
+    another order, and this tiny model's near-uniform logits flip greedy picks
+    on the difference. So the answer to compare is colocated vLLM's to the
+    prompt without its last token, which it then computes as a decode step:
+    ``pd_prompt`` made that token its greedy answer.
+    """
+    if flow != "classic" or not family.num_states:
+        return colocated(p, prompt)
+    answer = complete(p.base_url, prompt[:-1], NUM_NEW_TOKENS + 1).token_ids
+    assert answer[0] == prompt[-1], "not a pd_prompt"
+    return answer[1:]
+
+
 class Hops(NamedTuple):
     """A P/D answer made by hand and how D's counters moved for it."""
 
@@ -153,18 +188,31 @@ class Hops(NamedTuple):
     external_hits: float
 
 
-def hops(p: VllmServer, d: VllmServer, family: Family, prompt: list[int]) -> Hops:
-    """P, then D with P's params: the classic way, or after P's token for a state model."""
+def ask_p(p: VllmServer, prompt: list[int], flow: str) -> tuple[list[int], dict[str, Any]]:
+    """P's token and params for D (``kvbridge proxy`` marks its first-token flow)."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if flow == "first-token":
+        params["first_token_flow"] = True
+    done = complete(p.base_url, prompt, 1, kv_transfer_params=params)
+    assert done.kv_transfer_params is not None, done.response
+    return done.token_ids, done.kv_transfer_params
+
+
+def ask_d(d: VllmServer, prompt: list[int], token: list[int], params: dict[str, Any],
+          flow: str) -> list[int]:
+    """D's answer: the classic way (D recomputes the last prompt token), or after P's token."""
+    if flow == "classic":
+        return complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params).token_ids
+    return token + complete(d.base_url, prompt + token, NUM_NEW_TOKENS - 1,
+                            kv_transfer_params=params).token_ids
+
+
+def hops(p: VllmServer, d: VllmServer, prompt: list[int], flow: str = "classic") -> Hops:
+    """P, then D with P's params, by hand."""
     before = counters(d.base_url)
-    done = complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    params = done.kv_transfer_params
-    assert params is not None and params.get("do_remote_prefill"), done.response
-    if family.classic:
-        tokens = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params).token_ids
-    else:
-        rest = complete(d.base_url, [*prompt, *done.token_ids], NUM_NEW_TOKENS - 1,
-                        kv_transfer_params=params)
-        tokens = done.token_ids + rest.token_ids
+    token, params = ask_p(p, prompt, flow)
+    assert params.get("do_remote_prefill"), params
+    tokens = ask_d(d, prompt, token, params, flow)
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0.0) + m.get(FAILURES, 0.0)
                          > before[TRANSFERS] + before[FAILURES])
     return Hops(tokens, params, *(after[name] - before[name] for name in (
@@ -179,17 +227,18 @@ def test_pd_answers_equal_colocated_and_only_needed_blocks_move(
 ) -> None:
     num_tokens = {"short": 5, "one-block": family.block_size, "many-blocks": family.many}[size]
     p, d = servers(vllm_servers, hybrid_models, family)
-    prompt = prompt_ids(num_tokens, seed=40)
-    expected = colocated(p, prompt)
-    result = hops(p, d, family, prompt)
-    assert result.token_ids == expected
-    params = result.params
-    assert len(params["remote_groups"]) == 1 + family.num_windows + family.num_states
-    assert params["remote_num_tokens"] == num_tokens
-    # D loaded every token it does not compute, and of the windows only their blocks
-    assert (result.num_transfers, result.num_failures) == (1, 0)
-    assert result.external_hits == family.end(num_tokens)
-    assert result.nbytes == family.nbytes(0, family.end(num_tokens))
+    prompt = pd_prompt(p, family, num_tokens, seed=40)
+    for flow in family.flows:
+        want = expected(p, family, prompt, flow)
+        result = hops(p, d, prompt, flow)
+        assert result.token_ids == want, flow
+        params = result.params
+        assert len(params["remote_groups"]) == 1 + family.num_windows + family.num_states
+        assert params["remote_num_tokens"] == family.held(num_tokens, flow), flow
+        # D loaded every token it does not compute, and of the windows only their blocks
+        assert (result.num_transfers, result.num_failures) == (1, 0), flow
+        end = family.end(num_tokens, flow)
+        assert (result.external_hits, result.nbytes) == (end, family.nbytes(0, end)), flow
     wait_usage(p.base_url)
     wait_usage(d.base_url)
 
@@ -201,9 +250,9 @@ def test_sliding_window_moves_a_fraction_of_a_long_prompt(
     # the window's blocks, not the prompt's: 4 of 5 layers move 4 blocks of 63
     p, d = servers(vllm_servers, hybrid_models, family)
     prompt = prompt_ids(2000, seed=41)
-    expected = colocated(p, prompt)
-    result = hops(p, d, family, prompt)
-    assert result.token_ids == expected
+    want = colocated(p, prompt)
+    result = hops(p, d, prompt)
+    assert result.token_ids == want
     whole = 5 * -(-1999 // SWA.block_size) * SWA.page_nbytes  # every layer, every block
     assert result.nbytes == SWA.nbytes(0, 1999) == (63 + 4 * 4) * SWA.page_nbytes
     assert result.nbytes < 0.26 * whole
@@ -215,19 +264,24 @@ def test_a_partial_prefix_hit_on_d_loads_only_the_rest(
 ) -> None:
     p, d = servers(vllm_servers, hybrid_models, family)
     bs = family.block_size
-    num_hit = (9 if family.window else 2) * bs  # a window's blocks / a state at a boundary
-    earlier = prompt_ids(num_hit + bs + 40, seed=42)
+    # D keeps a state only where a prefill chunk ended on a block boundary: vLLM
+    # ends the first chunk of a prompt at the last boundary before its last
+    # token, so the earlier prompt ends within the block after the hit
+    num_hit, num_more = (9 * bs, bs + 40) if family.window else (3 * bs, 40)
+    earlier = prompt_ids(num_hit + num_more, seed=42)
     complete(d.base_url, earlier, 2)  # D computes it itself: its prefix cache keeps it
-    prompt = earlier[:num_hit] + prompt_ids(200, seed=43)
-    expected = colocated(p, prompt)
+    prompt = pd_prompt(p, family, 200, seed=43, prefix=earlier[:num_hit])
+    want = expected(p, family, prompt)
     hits_before = metrics(d.base_url).get(PREFIX_CACHE_HITS, 0.0)
-    result = hops(p, d, family, prompt)
-    assert result.token_ids == expected
-    num_local = metrics(d.base_url).get(PREFIX_CACHE_HITS, 0.0) - hits_before
-    # D reads only what its own cache lacks (whatever vLLM's hybrid manager found)
-    assert num_local in (0, num_hit)
-    assert result.external_hits == family.end(len(prompt)) - num_local
-    assert result.nbytes == family.nbytes(int(num_local), family.end(len(prompt)))
+    result = hops(p, d, prompt)
+    assert result.token_ids == want
+    # D reads only what its own cache lacks (a sliding-window D finds no local
+    # hit here, for reasons not looked into yet: 0 is accepted for it)
+    num_local = int(metrics(d.base_url).get(PREFIX_CACHE_HITS, 0.0) - hits_before)
+    assert num_local == num_hit or (family.window and num_local == 0)
+    end = family.end(len(prompt))
+    assert (result.external_hits, result.nbytes) == (end - num_local,
+                                                     family.nbytes(num_local, end))
     wait_usage(p.base_url)
 
 
@@ -236,34 +290,24 @@ def test_requests_at_once(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
     p, d = servers(vllm_servers, hybrid_models, family)
-    prompts = [prompt_ids(n, seed=44) for n in (7, 90, family.block_size + 3, 333, 480, 650)]
-    expected = [colocated(p, prompt) for prompt in prompts]
+    prompts = [pd_prompt(p, family, n, seed=44)
+               for n in (7, 90, family.block_size + 3, 333, 480, 650)]
+    flows = [family.flows[index % len(family.flows)] for index in range(len(prompts))]
+    wants = [expected(p, family, prompt, flow) for prompt, flow in zip(prompts, flows,
+                                                                        strict=True)]
     before = counters(d.base_url)
-
-    def first(prompt: list[int]) -> tuple[list[int], dict[str, Any]]:
-        done = complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
-        assert done.kv_transfer_params is not None
-        return done.token_ids, done.kv_transfer_params
-
-    def rest(job: tuple[list[int], tuple[list[int], dict[str, Any]]]) -> list[int]:
-        prompt, (token, params) = job
-        if family.classic:
-            return complete(d.base_url, prompt, NUM_NEW_TOKENS,
-                            kv_transfer_params=params).token_ids
-        return token + complete(d.base_url, prompt + token, NUM_NEW_TOKENS - 1,
-                                kv_transfer_params=params).token_ids
-
     with ThreadPoolExecutor(len(prompts)) as pool:
-        firsts = list(pool.map(first, prompts))
-        answers = list(pool.map(rest, zip(prompts, firsts, strict=True)))
-    assert answers == expected
+        firsts = list(pool.map(ask_p, [p] * len(prompts), prompts, flows))
+        answers = list(pool.map(lambda job: ask_d(d, *job), [
+            (prompt, token, params, flow)
+            for prompt, (token, params), flow in zip(prompts, firsts, flows, strict=True)]))
+    assert answers == wants
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) - before[TRANSFERS]
                          + m.get(FAILURES, 0) - before[FAILURES] >= len(prompts))
     assert (after[TRANSFERS] - before[TRANSFERS], after[FAILURES] - before[FAILURES]) == (6, 0)
-    assert after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS] == sum(
-        family.end(len(prompt)) for prompt in prompts)
-    assert after[BYTES] - before[BYTES] == sum(
-        family.nbytes(0, family.end(len(x))) for x in prompts)
+    ends = [family.end(len(prompt), flow) for prompt, flow in zip(prompts, flows, strict=True)]
+    assert after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS] == sum(ends)
+    assert after[BYTES] - before[BYTES] == sum(family.nbytes(0, end) for end in ends)
     wait_usage(p.base_url)
     wait_usage(d.base_url)
 
@@ -279,13 +323,16 @@ def test_through_kvbridge_proxy(
     # four prompts, none a prefix of another (D's own cache holds none of them),
     # whose first answer token is a whole character: the proxy then takes the
     # first-token flow for each (``first_token.take``)
-    prompts = [whole_first_token(p, n, seed=45 + 10 * classic + 5 * stream)
-               for stream in (0, 1) for n in (9, 2 * family.block_size + 11)]
-    expected = [colocated(p, prompt) for prompt in prompts]
+    sizes = [(stream, n) for stream in (0, 1) for n in (9, 2 * family.block_size + 11)]
+    if classic:
+        prompts = [pd_prompt(p, family, n, seed=55 + 5 * stream) for stream, n in sizes]
+    else:
+        prompts = [whole_first_token(p, n, seed=45 + 5 * stream) for stream, n in sizes]
+    wants = [expected(p, family, prompt, flow) for prompt in prompts]
     before = counters(d.base_url)
     with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log",
                         classic=classic) as proxy:
-        for index, (prompt, want) in enumerate(zip(prompts, expected, strict=True)):
+        for index, (prompt, want) in enumerate(zip(prompts, wants, strict=True)):
             stream = index >= 2
             body = {"model": str(p.spec.model), "prompt": prompt,
                     "max_tokens": NUM_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -303,9 +350,7 @@ def test_through_kvbridge_proxy(
             assert got == want, (flow, len(prompt), stream)
     after = counters(d.base_url)
     loaded = after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS]
-    if classic and not family.classic:  # a state D cannot rewind: D prefilled each itself
-        assert loaded == 0 and "a state cannot be rewound" in d.log_path.read_text()
-    elif classic:  # D computed the last prompt token
+    if classic:  # D computed the last prompt token (a state model's P stopped before it)
         assert loaded == sum(len(prompt) - 1 for prompt in prompts)
     else:  # D computed P's token only
         assert loaded == sum(len(prompt) for prompt in prompts)
@@ -328,17 +373,17 @@ def whole_first_token(p: VllmServer, num_tokens: int, seed: int) -> list[int]:
 def test_a_state_after_another_token_count_is_not_loaded(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
-    # P holds the state after the whole prompt; D asked the classic way needs
-    # it one token earlier, which no state can give: D prefills itself
+    # P asked for the first-token flow holds the state after the whole prompt;
+    # D then asked the classic way (a proxy that changed its mind) needs it one
+    # token earlier, which no state can give: D prefills itself
     p, d = servers(vllm_servers, hybrid_models, family)
     prompt = prompt_ids(400, seed=46)
-    expected = colocated(p, prompt)
+    want = colocated(p, prompt)
     before = counters(d.base_url)
-    params = complete(p.base_url, prompt, 1, kv_transfer_params={
-        "do_remote_decode": True}).kv_transfer_params
-    assert params is not None and params["remote_num_tokens"] == len(prompt)
+    _, params = ask_p(p, prompt, "first-token")
+    assert params["remote_num_tokens"] == len(prompt)
     done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
-    assert done.token_ids == expected
+    assert done.token_ids == want
     after = counters(d.base_url)
     assert after[EXTERNAL_PREFIX_CACHE_HITS] == before[EXTERNAL_PREFIX_CACHE_HITS]
     assert after[TRANSFERS] == before[TRANSFERS]
@@ -354,10 +399,10 @@ def test_a_window_block_p_freed_is_not_loaded(
     # D, computing token 606, still attends to token 511
     p, d = servers(vllm_servers, hybrid_models, family)
     prompt = prompt_ids(512 + SWA.window - 1, seed=47)
-    expected = colocated(p, prompt)
+    want = colocated(p, prompt)
     before = counters(d.base_url)
     result = pd_complete(p.base_url, d.base_url, prompt)
-    assert result.completion.token_ids == expected
+    assert result.completion.token_ids == want
     assert (result.num_transfers, result.external_hits) == (0, 0)
     assert after_log_names(d, "sliding window 96")
     assert counters(d.base_url)[TRANSFERS] == before[TRANSFERS]
