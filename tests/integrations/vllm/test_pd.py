@@ -9,13 +9,15 @@ and P must give its blocks back once D has read them.
 With the zero config every load of this tiny model is small enough to be
 synchronous (read before the forward of the step that schedules it); the
 eight-at-once test runs a D whose threshold makes its larger loads
-asynchronous, so both kinds run side by side in the same steps.
+asynchronous, so both kinds run side by side in the same steps. That server
+(``pd.mixed_spec``) is also the P of the lease test, so the module starts four
+servers, the first three together.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -32,15 +34,17 @@ from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     BYTES,
     NUM_NEW_TOKENS,
+    SYNC_BLOCKS,
     SYNC_LOADS,
     TEXT_PROMPTS,
     TRANSFERS,
     ZERO_CONFIG,
     answers_at_once,
+    at_once,
     counters,
     first_texts,
-    kv_config,
     kvbridge_proxy,
+    mixed_spec,
     pd_complete,
     prefill,
     prompt_ids,
@@ -49,8 +53,6 @@ from tests.integrations.vllm.pd import (
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-SYNC_BLOCKS = 4  # the mixed D loads up to this many blocks synchronously
 
 
 @pytest.fixture
@@ -80,6 +82,13 @@ def d_spec(tiny_llama: Path) -> ServerSpec:
     )
 
 
+@pytest.fixture
+def mixed(tiny_llama: Path) -> ServerSpec:
+    """The second P/D server (``pd.mixed_spec``); its tests run last here: it takes
+    the pool's third place from D."""
+    return mixed_spec(tiny_llama)
+
+
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
 
 
@@ -103,10 +112,11 @@ def reference(
 def pd_pair(
     servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec
 ) -> tuple[VllmServer, VllmServer]:
-    return servers.shared(p_spec), servers.shared(d_spec)
+    p, d = servers.shared_all(p_spec, d_spec)
+    return p, d
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600, 1500])
+@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600])  # <1, 1, 5 blocks
 def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     vllm_servers: ServersForTest,
     ref_spec: ServerSpec,
@@ -114,6 +124,7 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     d_spec: ServerSpec,
     num_prompt_tokens: int,
 ) -> None:
+    vllm_servers.shared_all(ref_spec, p_spec, d_spec)  # the first time: started together
     prompt = prompt_ids(num_prompt_tokens)
     [expected] = reference(vllm_servers, ref_spec, [prompt])
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
@@ -247,84 +258,22 @@ def test_client_leaving_d_gives_every_block_back(
     d_spec: ServerSpec,
 ) -> None:
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
-    for num_tokens in (900, 1400):
-        prompt = prompt_ids(num_tokens, seed=5)
-        params = prefill(p.base_url, prompt)
-        poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)  # held for D
-        body = {
-            "model": str(d.spec.model),
-            "prompt": prompt,
-            "max_tokens": 3000,
-            "ignore_eos": True,
-            "stream": True,
-            "kv_transfer_params": params,
-        }
-        with httpx.stream(
-            "POST", f"{d.base_url}/v1/completions", json=body, timeout=60
-        ) as response:
-            for _ in response.iter_lines():
-                break  # the client reads one event and leaves
-        wait_usage(p.base_url)
-        wait_usage(d.base_url)
-
-
-def test_unread_prefill_is_held_until_its_lease_ends(
-    vllm_servers: ServersForTest,
-    tiny_llama: Path,
-) -> None:
-    spec = ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps({**ZERO_CONFIG, "kv_connector_extra_config": {"lease_s": 3}}),
-        instance="lease",
-    )
-    p = vllm_servers.private(spec)
-    prefill(p.base_url, prompt_ids(700, seed=6))  # nobody ever reads it
-    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)
-    wait_usage(p.base_url, timeout_s=15)
-
-
-def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
-    vllm_servers: ServersForTest,
-    ref_spec: ServerSpec,
-    p_spec: ServerSpec,
-    tiny_llama: Path,
-    tmp_path: Path,
-) -> None:
-    lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
-    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
-    # through the proxy D loads the whole prompt (P's token is appended to D's prompt)
-    num_sync = sum(1 for n in lengths if -(-n // BLOCK_SIZE) <= SYNC_BLOCKS)
-    assert 0 < num_sync < len(lengths)
-    expected = reference(vllm_servers, ref_spec, prompts)
-    d_mixed = ServerSpec(
-        tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE, instance="d-mixed",
-        kv_transfer_config=kv_config(sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES),
-    )
-    p, d = pd_pair(vllm_servers, p_spec, d_mixed)
-    before = counters(d.base_url)
-    answers: dict[int, list[int] | BaseException] = {}
-
-    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
-
-        def ask(index: int) -> None:
-            try:
-                answers[index] = complete(
-                    proxy, prompts[index], NUM_NEW_TOKENS, model=str(p.spec.model)
-                ).token_ids
-            except BaseException as exc:  # reported below
-                answers[index] = exc
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-    assert answers == dict(enumerate(expected))
-    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
-    assert after[TRANSFERS] == before[TRANSFERS] + 8
-    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    prompt = prompt_ids(900, seed=5)
+    params = prefill(p.base_url, prompt)
+    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)  # held for D
+    body = {
+        "model": str(d.spec.model),
+        "prompt": prompt,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": params,
+    }
+    with httpx.stream(
+        "POST", f"{d.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
+        for _ in response.iter_lines():
+            break  # the client reads one event and leaves
     wait_usage(p.base_url)
     wait_usage(d.base_url)
 
@@ -358,3 +307,39 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy(
                 assert answer == want, (stream, prompt[:40])
     wait_usage(p.base_url)
     wait_usage(d.base_url)
+
+
+def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    mixed: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
+    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
+    # through the proxy D loads the whole prompt (P's token is appended to D's prompt)
+    num_sync = sum(1 for n in lengths if -(-n // BLOCK_SIZE) <= SYNC_BLOCKS)
+    assert 0 < num_sync < len(lengths)
+    expected = reference(vllm_servers, ref_spec, prompts)
+    p, d = pd_pair(vllm_servers, p_spec, mixed)
+    before = counters(d.base_url)
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+        answers = at_once([partial(complete, proxy, prompt, NUM_NEW_TOKENS,
+                                   model=str(p.spec.model)) for prompt in prompts])
+    assert [answer.token_ids for answer in answers] == expected
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
+    assert after[TRANSFERS] == before[TRANSFERS] + 8
+    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_unread_prefill_is_held_until_its_lease_ends(
+    vllm_servers: ServersForTest,
+    mixed: ServerSpec,
+) -> None:
+    p = vllm_servers.shared(mixed)  # a P with a 3 s lease
+    prefill(p.base_url, prompt_ids(700, seed=6))  # nobody ever reads it
+    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)
+    wait_usage(p.base_url, timeout_s=15)

@@ -47,7 +47,7 @@ def tp_specs(model: Path) -> list[ServerSpec]:
 def test_p_and_d_with_different_tp_sizes(
     vllm_servers: ServersForTest, tiny_llama_fp32: Path
 ) -> None:
-    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
+    tp1, tp2 = vllm_servers.shared_all(*tp_specs(tiny_llama_fp32))
     for num_tokens in (9, 300, 1100):
         num_blocks = -(-(num_tokens - 1) // BLOCK_SIZE)
         prompt = prompt_ids(num_tokens, seed=20)
@@ -75,7 +75,7 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy_p_tp2_d_t
 ) -> None:
     """As issue 28 saw it: P TP 2 -> D TP 1 behind ``kvbridge proxy``, answers
     whose first token is half a UTF-8 character among whole ones, all at once."""
-    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
+    tp1, tp2 = vllm_servers.shared_all(*tp_specs(tiny_llama_fp32))
     model = str(tp2.spec.model)
     texts = first_texts(tp2.base_url, model, TEXT_PROMPTS)
     split = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if not text]
