@@ -63,6 +63,13 @@ def kv_config(policy: str | None = None, **extra: Any) -> str:
     return json.dumps(config)
 
 
+def pd_spec(model: Path, instance: str) -> ServerSpec:
+    """A P/D server of the tiny Llama (bf16, block 128) with the zero config; test_pd.py's
+    P ("p") and D ("d"), which other modules share (a server is keyed by its spec)."""
+    return ServerSpec(model, dtype="bfloat16", block_size=BLOCK_SIZE,
+                      kv_transfer_config=json.dumps(ZERO_CONFIG), instance=instance)
+
+
 #: The mixed server's synchronous-load threshold, in blocks (larger loads are asynchronous).
 SYNC_BLOCKS = 4
 

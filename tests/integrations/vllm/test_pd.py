@@ -38,7 +38,6 @@ from tests.integrations.vllm.pd import (
     SYNC_LOADS,
     TEXT_PROMPTS,
     TRANSFERS,
-    ZERO_CONFIG,
     answers_at_once,
     at_once,
     counters,
@@ -46,6 +45,7 @@ from tests.integrations.vllm.pd import (
     kvbridge_proxy,
     mixed_spec,
     pd_complete,
+    pd_spec,
     prefill,
     prompt_ids,
     wait_usage,
@@ -62,24 +62,12 @@ def ref_spec(tiny_llama: Path) -> ServerSpec:
 
 @pytest.fixture
 def p_spec(tiny_llama: Path) -> ServerSpec:
-    return ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG),
-        instance="p",
-    )
+    return pd_spec(tiny_llama, "p")
 
 
 @pytest.fixture
 def d_spec(tiny_llama: Path) -> ServerSpec:
-    return ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG),
-        instance="d",
-    )
+    return pd_spec(tiny_llama, "d")
 
 
 @pytest.fixture
