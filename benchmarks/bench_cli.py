@@ -29,6 +29,7 @@ from typing import IO, Any
 from benchmarks import bench_tables
 from benchmarks.peers.placement import NetnsUnavailableError, check_netns
 from benchmarks.plots import PlotUnavailable, save_plot
+from benchmarks.vllm_models import MODEL_KINDS
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
 DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake,kvbridge_copy"
@@ -236,9 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--model", default=None,
                       help="model folder (default: a random Llama, hidden 512, 8 layers, "
                            "built into a temp dir)")
-    vllm.add_argument("--model-kind", choices=["dense", "mla", "moe"], default="dense",
+    vllm.add_argument("--model-kind", choices=list(MODEL_KINDS), default="dense",
                       help="model built when --model is not given: dense (Llama, default), "
-                           "mla (DeepSeek-V2), moe (Qwen3-MoE)")
+                           "mla (DeepSeek-V2), moe (Qwen3-MoE), swa (Gemma 3: sliding "
+                           "window), linear (Qwen3-Next: linear attention; first-token "
+                           "flow only)")
     vllm.add_argument("--cores", choices=["split", "shared"], default="split",
                       help="split (default): P and colocated on core 0, D on core 1, one "
                            "thread each; shared: every server on every core")

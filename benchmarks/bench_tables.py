@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.vllm_models import describe
+
 _MIB = 1 << 20
 
 
@@ -151,11 +153,9 @@ def vllm_table(report: dict[str, Any]) -> str:
                   markdown_table(["config", "server", "API server %", "engine core %",
                                   "worker %", "other %", "threads", "busiest thread"], idle)]
     settings = report["settings"]
-    shape = settings["shape"]
-    lines.append(f"\nmodel {settings['model']}: {shape['layers']} layers, {shape['kv_heads']} "
-                 f"KV heads x {shape['head_dim']}, {shape['kv_bytes_per_token'] / 1024:g} KiB "
-                 f"KV per token; median of {settings['requests']} requests per length; "
-                 f"cores {settings.get('cores', 'shared')}")
+    lines.append(f"\nmodel {settings['model']}: {describe(settings['shape'])}; median of "
+                 f"{settings['requests']} requests per length; cores "
+                 f"{settings.get('cores', 'shared')}")
     lines += [f"\n{name} FAILED: {result['error']}" for name, result in configs.items()
               if "error" in result]
     return "\n".join(lines)

@@ -11,6 +11,9 @@ sends the same token-id prompts, and stops them:
 - ``kvbridge-classic``: kvbridge's servers driven with the classic flow below
   (the one NIXL gets), to show what the connector alone does.
 
+The model is one of ``vllm_models.MODEL_KINDS`` (dense, mla, moe, swa, linear),
+built at run time, at that kind's block size.
+
 One P/D request, as the client (a proxy) sees it. Classic flow (vLLM's toy
 proxy; ``nixl``, ``kvbridge-classic``)::
 
@@ -49,8 +52,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,6 +61,13 @@ from typing import Any
 import httpx
 
 from benchmarks.proc_cpu import idle_cpu
+from benchmarks.vllm_models import (
+    BLOCK_SIZES,
+    MODEL_KINDS,
+    MODEL_LABELS,
+    build_model,
+    model_shape,
+)
 from benchmarks.vllm_servers import (
     Sample,
     ServerError,
@@ -95,16 +103,6 @@ _QUEUE = "vllm:request_queue_time_seconds"  # waiting, incl. waiting for remote 
 _LOADED_TOKENS = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
 _FINISHED = "vllm:request_success_total"
 
-BENCH_MODEL = {"hidden": 512, "layers": 8}  # ~12 MiB of bf16 KV for 1500 tokens
-#: ``--model-kind``: the model each family is benchmarked with (built at run time).
-#: dense: a Llama (GQA); mla: a DeepSeek-V2 (MLA latent 576, dense MLPs; vLLM on CPU forces
-#: block size 16 and turns prefix caching off); moe: a Qwen3-MoE (dense GQA).
-MODEL_KINDS = ("dense", "mla", "moe")
-MODEL_LABELS = {
-    "dense": f"random Llama, hidden {BENCH_MODEL['hidden']}, {BENCH_MODEL['layers']} layers",
-    "mla": "random DeepSeek-V2 (MLA, dense MLPs), hidden 192, 8 layers",
-    "moe": "random Qwen3-MoE, hidden 192, 8 layers",
-}
 D_MAX_TOKENS = 4  # D streams a few tokens; the first one stops the clock
 FULL = {"lengths": [64, 256, 512, 1024, 1500], "requests": 10, "warmup": 2, "idle_s": 10.0}
 QUICK = {"lengths": [64, 512], "requests": 2, "warmup": 1, "idle_s": 3.0}
@@ -112,47 +110,6 @@ QUICK = {"lengths": [64, 512], "requests": 2, "warmup": 1, "idle_s": 3.0}
 
 class BenchError(RuntimeError):
     """A server answered with an error or broke a promise of the protocol."""
-
-
-def build_model(out_dir: Path, kind: str = "dense") -> Path:
-    """Write the benchmark's random model of ``kind`` (``MODEL_KINDS``) into ``out_dir``.
-
-    Raises:
-        ValueError: an unknown ``kind``.
-    """
-    if kind == "dense":
-        argv = [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_model", str(out_dir),
-                "--hidden", str(BENCH_MODEL["hidden"]), "--layers", str(BENCH_MODEL["layers"])]
-    elif kind in MODEL_KINDS:
-        argv = [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_families", str(out_dir),
-                "--kind", kind, "--dtype", "bfloat16", "--layers", str(BENCH_MODEL["layers"])]
-    else:
-        raise ValueError(f"model kind {kind!r}: expected one of {MODEL_KINDS}")
-    subprocess.run(argv, check=True, capture_output=True)
-    return out_dir
-
-
-def model_shape(model: Path) -> dict[str, Any]:
-    """Sizes from ``config.json`` and the bf16 KV bytes one token takes.
-
-    Raises:
-        ValueError: ``model`` has no ``config.json``.
-    """
-    if not (model / "config.json").is_file():
-        raise ValueError(f"{model} has no config.json: not a model folder")
-    config = json.loads((model / "config.json").read_text())
-    num_heads = config["num_attention_heads"]
-    num_layers = config["num_hidden_layers"]
-    if config.get("kv_lora_rank"):  # MLA: one latent per token and layer, no K/V heads
-        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        return {"hidden": config["hidden_size"], "layers": num_layers, "kv_heads": 1,
-                "head_dim": latent, "vocab_size": config["vocab_size"], "mla": True,
-                "kv_bytes_per_token": num_layers * latent * 2}
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-    num_kv_heads = config.get("num_key_value_heads", num_heads)
-    return {"hidden": config["hidden_size"], "layers": num_layers, "kv_heads": num_kv_heads,
-            "head_dim": head_dim, "vocab_size": config["vocab_size"],
-            "kv_bytes_per_token": 2 * num_layers * num_kv_heads * head_dim * 2}
 
 
 def text_token_ids(model: Path, vocab_size: int) -> list[int]:
@@ -300,13 +257,13 @@ def _core(split: bool, core: int) -> dict[str, Any]:
 
 
 def _servers(name: str, model: Path, log_dir: Path, extra: dict[str, Any],
-             split: bool) -> list[VllmServer]:
+             split: bool, block_size: int) -> list[VllmServer]:
     """The servers of configuration ``name``: [colocated] or [P, D]."""
     config = CONNECTORS[name]
     if config is None:
         [port] = reserve_ports([1])
         return [VllmServer("colocated", model, port, log_dir / "colocated.log",
-                           **_core(split, 0))]
+                           block_size=block_size, **_core(split, 0))]
     if name.startswith("kvbridge") and extra:
         config = {**config, "kv_connector_extra_config": extra}
     ports = reserve_ports([1, 1, 1, 1])
@@ -319,7 +276,7 @@ def _servers(name: str, model: Path, log_dir: Path, extra: dict[str, Any],
                                     VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
                                     UCX_TLS="tcp,sm,self")
         servers.append(VllmServer(role, model, port, log_dir / f"{name}-{role}.log",
-                                  json.dumps(config), **placement))
+                                  json.dumps(config), block_size=block_size, **placement))
     return servers
 
 
@@ -330,7 +287,8 @@ def run_config(name: str, model: Path, plan: dict[str, Any], log_dir: Path,
     An error (a server that does not start, a failed request) is recorded in
     the result with the rows measured before it.
     """
-    servers = _servers(name, model, log_dir, plan["kvbridge_extra"], plan["cores"] == "split")
+    servers = _servers(name, model, log_dir, plan["kvbridge_extra"], plan["cores"] == "split",
+                       plan["block_size"])
     request = {"colocated": colocated_request,
                "kvbridge": pd_first_token_request}.get(name, pd_request)
     vocab = plan["prompt_vocab"]
@@ -376,13 +334,14 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
         lengths: Prompt lengths in tokens (overrides the default).
         requests: Timed requests per length (overrides the default).
         connectors: Names from ``CONNECTORS`` in the order to run them.
-        model: Model folder; default: ``BENCH_MODEL`` built into a temp dir.
+        model: Model folder; default: the model of ``model_kind`` built into a temp dir.
         out: Server logs go to ``<out>/vllm-logs``.
         kvbridge_extra: ``kv_connector_extra_config`` for kvbridge's P and D.
         cores: "split": P (and colocated) on core 0, D on core 1, one OpenMP
             thread each, as if each instance had a device of its own;
             "shared": every server on every core (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
-        model_kind: the model built when ``model`` is not given (``MODEL_KINDS``).
+        model_kind: the model built when ``model`` is not given (``MODEL_KINDS``,
+            ``benchmarks/vllm_models.py``); also sets the block size.
 
     Raises:
         ValueError: an unknown connector name, ``cores`` value or model kind,
@@ -392,6 +351,8 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
     unknown = set(connectors) - set(CONNECTORS)
     if unknown:
         raise ValueError(f"unknown connectors {sorted(unknown)}; known: {sorted(CONNECTORS)}")
+    if model_kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {model_kind!r}: expected one of {MODEL_KINDS}")
     if cores not in ("split", "shared"):
         raise ValueError(f"cores {cores!r}: expected 'split' or 'shared'")
     num_cpus = len(os.sched_getaffinity(0))
@@ -402,6 +363,7 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
     plan["requests"] = requests or plan["requests"]
     plan["kvbridge_extra"] = kvbridge_extra or {}
     plan["cores"] = cores
+    plan["block_size"] = BLOCK_SIZES[model_kind]
     progress = progress or (lambda _label, _done, _total: None)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-model-") as tmp:
         model_dir = Path(model) if model else build_model(Path(tmp) / "model", model_kind)

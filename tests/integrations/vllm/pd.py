@@ -10,12 +10,13 @@ import json
 import random
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 
@@ -27,7 +28,10 @@ from tests.integrations.vllm.client import (
     metrics,
     poll_metrics,
 )
+from tests.integrations.vllm.servers import ServerSpec
 from tests.ports import free_port
+
+T = TypeVar("T")
 
 BLOCK_SIZE = 128
 VOCAB_SIZE = 512  # tiny_model.VOCAB_SIZE (not imported: transformers stays out of pytest)
@@ -63,6 +67,28 @@ def kv_config(policy: str | None = None, **extra: Any) -> str:
     return json.dumps(config)
 
 
+def pd_spec(model: Path, instance: str) -> ServerSpec:
+    """A P/D server of the tiny Llama (bf16, block 128) with the zero config; test_pd.py's
+    P ("p") and D ("d"), which other modules share (a server is keyed by its spec)."""
+    return ServerSpec(model, dtype="bfloat16", block_size=BLOCK_SIZE,
+                      kv_transfer_config=json.dumps(ZERO_CONFIG), instance=instance)
+
+
+#: The mixed server's synchronous-load threshold, in blocks (larger loads are asynchronous).
+SYNC_BLOCKS = 4
+
+
+def mixed_spec(model: Path) -> ServerSpec:
+    """The tiny Llama's second P/D server (bf16, block 128), shared by several modules:
+    as D, loads of up to ``SYNC_BLOCKS`` blocks synchronous and larger ones
+    asynchronous, a failed load recomputed; as P, an unread prefill held for 3 s."""
+    return ServerSpec(
+        model, dtype="bfloat16", block_size=BLOCK_SIZE, instance="mixed",
+        kv_transfer_config=kv_config("recompute", sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES,
+                                     lease_s=3),
+    )
+
+
 def prompt_ids(num_tokens: int, seed: int = 0) -> list[int]:
     """Random token ids without the special tokens 0 (BOS) and 1 (EOS)."""
     rng = random.Random(num_tokens * 7919 + seed)
@@ -89,47 +115,50 @@ def first_texts(url: str, model: str, prompts: list[str]) -> list[str]:
     return [c["text"] for c in choices]
 
 
+def at_once(calls: Sequence[Callable[[], T]], timeout_s: float = 600.0) -> list[T]:
+    """Run every call in a thread of its own, all at the same time; their results in order.
+
+    Raises:
+        AssertionError: naming each call (by index) that raised, or that had not
+            returned after ``timeout_s`` (its thread is left to end on its own).
+    """
+    pool = ThreadPoolExecutor(max_workers=max(1, len(calls)))
+    futures = [pool.submit(call) for call in calls]
+    done, late = wait(futures, timeout=timeout_s)
+    pool.shutdown(wait=False)  # every thread has ended, or is left to end on its own
+    failed = {i: f.exception() for i, f in enumerate(futures)
+              if f in done and f.exception() is not None}
+    if failed or late:
+        raise AssertionError(f"of {len(calls)} calls at once, these raised: {failed}; "
+                             f"{len(late)} had not returned after {timeout_s:g} s")
+    return [f.result() for f in futures]
+
+
+def answer(url: str, body: dict[str, Any]) -> tuple[list[int], str]:
+    """A greedy answer's (tokens, text); a stream's are its events' joined, and it is
+    checked to have ended with ``[DONE]`` and no error event."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        response.raise_for_status()
+        if body.get("stream"):
+            lines = [line for line in response.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            assert not any("error" in event for event in events), events[-1]
+            choices = [c for event in events for c in event["choices"]]
+        else:
+            response.read()
+            choices = response.json()["choices"]
+    return ([t for c in choices for t in c.get("token_ids") or []],
+            "".join(c["text"] for c in choices))
+
+
 def answers_at_once(
     url: str, model: str, prompts: list[str], max_tokens: int, *, stream: bool
 ) -> list[tuple[list[int], str]]:
-    """Greedy answers (tokens, text) to ``prompts``, all asked at the same time.
-
-    A stream's tokens and text are its events' joined; each answer is checked
-    to have ended with ``[DONE]`` and no error event.
-    """
+    """Greedy answers (tokens, text) to ``prompts``, all asked at the same time (``answer``)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream}
-    answers: dict[int, tuple[list[int], str] | BaseException] = {}
-
-    def ask(index: int) -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions",
-                              json={**body, "prompt": prompts[index]}, timeout=300) as response:
-                response.raise_for_status()
-                if stream:
-                    lines = [line for line in response.iter_lines() if line]
-                    assert lines[-1] == "data: [DONE]", lines[-3:]
-                    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-                    assert not any("error" in event for event in events), events[-1]
-                    choices = [c for event in events for c in event["choices"]]
-                else:
-                    response.read()
-                    choices = response.json()["choices"]
-            answers[index] = ([t for c in choices for t in c.get("token_ids") or []],
-                              "".join(c["text"] for c in choices))
-        except BaseException as exc:  # reported below
-            answers[index] = exc
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
-    failed = {i: a for i, a in answers.items() if isinstance(a, BaseException)}
-    if failed or len(answers) != len(prompts):
-        raise AssertionError(f"requests to {url} failed: {failed or 'some never answered'}")
-    return [a for a in (answers[i] for i in range(len(prompts)))
-            if not isinstance(a, BaseException)]
+    return at_once([partial(answer, url, {**body, "prompt": prompt}) for prompt in prompts])
 
 
 def prefill(p_url: str, prompt: list[int] | str, **extra: Any) -> dict[str, Any]:

@@ -201,6 +201,11 @@ class VllmServer:
             VllmServerError: the process exited, or did not answer within
                 ``startup_timeout_s``; the server is stopped first.
         """
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process and return at once (``wait_ready`` waits for it)."""
         if self.pid is not None:
             raise RuntimeError(f"{self.spec.label} was started already (a server starts once)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -217,6 +222,13 @@ class VllmServer:
                 preexec_fn=_term_with_parent,
             )
         self.pid = self._proc.pid
+
+    def wait_ready(self) -> VllmServer:
+        """Block until the launched server answers ``/v1/models``. Returns self.
+
+        Raises:
+            VllmServerError: as ``start``; the server is stopped first.
+        """
         try:
             self._wait_ready()
         except BaseException:
@@ -225,7 +237,8 @@ class VllmServer:
         return self
 
     def _wait_ready(self) -> None:
-        assert self._proc is not None
+        if self._proc is None:
+            raise VllmServerError(f"{self.spec.label} was not launched, or stopped")
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -328,13 +341,13 @@ def shm_mapped_by_group(pgid: int) -> set[Path]:
 class ServerPool:
     """Owner of every server: shared ones reused across tests, private ones per test.
 
-    ``shared(spec)`` returns the running server for ``spec``, starting it if
-    needed. ``private(spec, log_dir)`` always starts a new one, stopped by
-    ``end_test()``. Before a start would exceed ``max_servers``, the least
+    ``shared_all(*specs)`` returns the running servers for ``specs``, starting
+    the missing ones together. ``private_all(*specs, log_dir=...)`` always starts
+    new ones, stopped by ``end_test()``. Before a start would exceed ``max_servers``, the least
     recently used shared server that the current test has not asked for is
     stopped; if there is none, ``VllmServerError``.
 
-    Call order: ``begin_test()``, any ``shared``/``private``, ``end_test()``;
+    Call order: ``begin_test()``, any ``shared_all``/``private_all``, ``end_test()``;
     ``close()`` once at the end.
     """
 
@@ -353,27 +366,52 @@ class ServerPool:
         for server in private:
             server.stop()
 
-    def shared(self, spec: ServerSpec) -> VllmServer:
-        """The running shared server for ``spec`` (started, or restarted if it died)."""
-        server = self._shared.pop(spec, None)
-        if server is not None and not server.running:
-            server.stop()
-            server = None
-        if server is None:
-            self._make_room()
-            server = VllmServer(spec, self._log_dir).start()
-        self._shared[spec] = server  # most recently used last
-        self._in_test.add(spec)
-        return server
+    def shared_all(self, *specs: ServerSpec) -> list[VllmServer]:
+        """The running shared servers for ``specs`` (started, or restarted if one died).
 
-    def private(
-        self, spec: ServerSpec, log_dir: Path, *, startup_timeout_s: float = 240.0
-    ) -> VllmServer:
-        """A new server for the current test only (e.g. one the test will break)."""
-        self._make_room()
-        server = VllmServer(spec, log_dir, startup_timeout_s=startup_timeout_s).start()
-        self._private.append(server)
-        return server
+        The missing ones start together: two starts on two cores take less
+        than one after the other (a start is mostly one-threaded Python).
+        """
+        self._in_test.update(specs)  # none of them is evicted to make room for another
+        launched = []
+        for spec in specs:
+            server = self._shared.pop(spec, None)
+            if server is not None and not server.running:
+                server.stop()
+                server = None
+            if server is None:
+                self._make_room()
+                server = VllmServer(spec, self._log_dir)
+                server.launch()
+                launched.append(server)
+            self._shared[spec] = server  # most recently used last
+        self._wait_all(launched)
+        return [self._shared[spec] for spec in specs]
+
+    def private_all(
+        self, *specs: ServerSpec, log_dir: Path, startup_timeout_s: float = 240.0
+    ) -> list[VllmServer]:
+        """New servers for the current test only (e.g. ones the test will break), started
+        together."""
+        launched = []
+        for spec in specs:
+            self._make_room()
+            server = VllmServer(spec, log_dir, startup_timeout_s=startup_timeout_s)
+            self._private.append(server)  # stopped by end_test(), started or not
+            server.launch()
+            launched.append(server)
+        self._wait_all(launched)
+        return launched
+
+    def _wait_all(self, launched: list[VllmServer]) -> None:
+        """Wait for every launched server; if one fails, stop them all and raise its error."""
+        try:
+            for server in launched:
+                server.wait_ready()
+        except BaseException:
+            for server in launched:
+                server.stop()
+            raise
 
     def _make_room(self) -> None:
         while len(self._shared) + len(self._private) >= self._max_servers:
@@ -405,10 +443,22 @@ class ServersForTest:
         self._log_dir = log_dir
 
     def shared(self, spec: ServerSpec) -> VllmServer:
-        return self._pool.shared(spec)
+        [server] = self._pool.shared_all(spec)
+        return server
+
+    def shared_all(self, *specs: ServerSpec) -> list[VllmServer]:
+        """``shared`` of each spec; those not running start together."""
+        return self._pool.shared_all(*specs)
 
     def private(self, spec: ServerSpec, *, startup_timeout_s: float = 240.0) -> VllmServer:
-        return self._pool.private(spec, self._log_dir, startup_timeout_s=startup_timeout_s)
+        [server] = self.private_all(spec, startup_timeout_s=startup_timeout_s)
+        return server
+
+    def private_all(self, *specs: ServerSpec, startup_timeout_s: float = 240.0
+                    ) -> list[VllmServer]:
+        """``private`` of each spec, started together."""
+        return self._pool.private_all(*specs, log_dir=self._log_dir,
+                                      startup_timeout_s=startup_timeout_s)
 
 
 def env_pairs(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -1,14 +1,14 @@
 """The vLLM test harness on colocated servers (no KV connector): the baseline P/D tests need.
 
 What later tests lean on is checked here: greedy output of the tiny model is a
-function of the prompt alone (repeated, prefix-cached, on a second server, at
-TP 2 in float32), the metrics parse and count what they claim, and a stopped
-server leaves no processes or /dev/shm files behind.
+function of the prompt alone (repeated, prefix-cached, on a second server), the
+metrics parse and count what they claim, and a server that cannot start fails
+fast. At TP 2 in float32, and a stopped TP 2 server leaving no processes or
+/dev/shm files behind: ``test_pd_tp.py``, on its servers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 
@@ -25,13 +25,8 @@ from tests.integrations.vllm.client import (
     metrics,
     poll_metrics,
 )
-from tests.integrations.vllm.servers import (
-    ServersForTest,
-    ServerSpec,
-    VllmServerError,
-    group_pids,
-    shm_mapped_by_group,
-)
+from tests.integrations.vllm.pd import pd_spec
+from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServerError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -72,8 +67,8 @@ def test_same_prompt_twice_gives_same_tokens(
 def test_second_server_gives_same_tokens(
     vllm_servers: ServersForTest, bf16_spec: ServerSpec
 ) -> None:
-    server_a = vllm_servers.shared(bf16_spec)
-    server_b = vllm_servers.shared(dataclasses.replace(bf16_spec, instance="b"))
+    # the second: test_pd.py's P (shared), its connector idle without kv_transfer_params
+    server_a, server_b = vllm_servers.shared_all(bf16_spec, pd_spec(bf16_spec.model, "p"))
     assert server_a.base_url != server_b.base_url
 
     prompts: list[str | list[int]] = [prompt_ids(n) for n in (5, 128, 600)]
@@ -113,27 +108,6 @@ def test_metrics_count_prefix_cache_hits_and_blocks_come_back(
     assert after[PREFIX_CACHE_QUERIES] - middle[PREFIX_CACHE_QUERIES] == len(prompt)
     # Finished requests free their blocks; cached-but-unused blocks count as free.
     poll_metrics(server.base_url, lambda m: m[KV_CACHE_USAGE] == 0.0)
-
-
-def test_tp2_float32_matches_tp1(vllm_servers: ServersForTest, tiny_llama_fp32: Path) -> None:
-    tp1 = vllm_servers.shared(ServerSpec(tiny_llama_fp32, dtype="float32"))
-    tp2 = vllm_servers.private(ServerSpec(tiny_llama_fp32, dtype="float32", tensor_parallel_size=2))
-
-    for num_prompt_tokens in (5, 17, 128, 300, 600):
-        prompt = prompt_ids(num_prompt_tokens, seed=2)
-        answer_tp1 = complete(tp1.base_url, prompt, NUM_NEW_TOKENS)
-        answer_tp2 = complete(tp2.base_url, prompt, NUM_NEW_TOKENS)
-        assert answer_tp2.token_ids == answer_tp1.token_ids, f"{num_prompt_tokens} prompt tokens"
-
-    # TP 2 is what leaves /dev/shm files behind (vLLM never unlinks its all-reduce
-    # buffers); stop() must remove them and take every process of the group along.
-    # (Only this server's files: other test runs may have servers up meanwhile.)
-    assert tp2.pid is not None
-    mapped = shm_mapped_by_group(tp2.pid)
-    assert any(path.name.startswith("vllm_dist_") for path in mapped), mapped
-    tp2.stop()
-    assert group_pids(tp2.pid) == []
-    assert [path for path in mapped if path.exists()] == []
 
 
 def test_server_that_exits_fails_fast_with_its_log(

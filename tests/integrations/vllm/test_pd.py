@@ -10,13 +10,15 @@ and P must give its blocks back once D has read them.
 With the zero config every load of this tiny model is small enough to be
 synchronous (read before the forward of the step that schedules it); the
 eight-at-once test runs a D whose threshold makes its larger loads
-asynchronous, so both kinds run side by side in the same steps.
+asynchronous, so both kinds run side by side in the same steps. That server
+(``pd.mixed_spec``) is shared with test_pd_faults. The cap on unread holds runs
+on a P of its own (a small cache).
 """
 
 from __future__ import annotations
 
 import json
-import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +40,19 @@ from tests.integrations.vllm.pd import (
     HELD_REQUESTS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
+    SYNC_BLOCKS,
     SYNC_LOADS,
     TEXT_PROMPTS,
     TRANSFERS,
-    ZERO_CONFIG,
     answers_at_once,
+    at_once,
     counters,
     first_texts,
     kv_config,
     kvbridge_proxy,
+    mixed_spec,
     pd_complete,
+    pd_spec,
     prefill,
     prompt_ids,
     wait_usage,
@@ -57,8 +62,6 @@ from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-SYNC_BLOCKS = 4  # the mixed D loads up to this many blocks synchronously
-
 
 @pytest.fixture
 def ref_spec(tiny_llama: Path) -> ServerSpec:
@@ -67,24 +70,19 @@ def ref_spec(tiny_llama: Path) -> ServerSpec:
 
 @pytest.fixture
 def p_spec(tiny_llama: Path) -> ServerSpec:
-    return ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG),
-        instance="p",
-    )
+    return pd_spec(tiny_llama, "p")
 
 
 @pytest.fixture
 def d_spec(tiny_llama: Path) -> ServerSpec:
-    return ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG),
-        instance="d",
-    )
+    return pd_spec(tiny_llama, "d")
+
+
+@pytest.fixture
+def mixed(tiny_llama: Path) -> ServerSpec:
+    """The second P/D server (``pd.mixed_spec``); its tests run last here: it takes
+    the pool's third place from D."""
+    return mixed_spec(tiny_llama)
 
 
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
@@ -110,10 +108,11 @@ def reference(
 def pd_pair(
     servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec
 ) -> tuple[VllmServer, VllmServer]:
-    return servers.shared(p_spec), servers.shared(d_spec)
+    p, d = servers.shared_all(p_spec, d_spec)
+    return p, d
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600, 1500])
+@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600])  # <1, 1, 5 blocks
 def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     vllm_servers: ServersForTest,
     ref_spec: ServerSpec,
@@ -121,6 +120,7 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     d_spec: ServerSpec,
     num_prompt_tokens: int,
 ) -> None:
+    vllm_servers.shared_all(ref_spec, p_spec, d_spec)  # the first time: started together
     prompt = prompt_ids(num_prompt_tokens)
     [expected] = reference(vllm_servers, ref_spec, [prompt])
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
@@ -254,126 +254,22 @@ def test_client_leaving_d_gives_every_block_back(
     d_spec: ServerSpec,
 ) -> None:
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
-    for num_tokens in (900, 1400):
-        prompt = prompt_ids(num_tokens, seed=5)
-        params = prefill(p.base_url, prompt)
-        poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)  # held for D
-        body = {
-            "model": str(d.spec.model),
-            "prompt": prompt,
-            "max_tokens": 3000,
-            "ignore_eos": True,
-            "stream": True,
-            "kv_transfer_params": params,
-        }
-        with httpx.stream(
-            "POST", f"{d.base_url}/v1/completions", json=body, timeout=60
-        ) as response:
-            for _ in response.iter_lines():
-                break  # the client reads one event and leaves
-        wait_usage(p.base_url)
-        wait_usage(d.base_url)
-
-
-def test_unread_prefills_are_capped_and_held_until_their_lease_ends(
-    vllm_servers: ServersForTest,
-    tiny_llama: Path,
-) -> None:
-    """A flood of prefills nobody reads takes at most half of P's cache (the default
-    ``max_held_share``: the oldest holds go first) and new prefills still run; the
-    holds left end with their lease."""
-    num_blocks = 65  # what the longest context (8192 tokens) needs, and vLLM's null block
-    spec = ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=kv_config(lease_s=10),
-        extra_args=("--num-gpu-blocks-override", str(num_blocks)),
-        instance="lease",
-    )
-    p = vllm_servers.private(spec)
-    prompts = [prompt_ids(9 * BLOCK_SIZE - 50, seed=80 + i) for i in range(8)]  # 9 blocks each
-    for prompt in prompts:  # 72 blocks held for nobody without a cap: the last would wait
-        prefill(p.base_url, prompt)
-    cap = num_blocks // 2 * BLOCK_NBYTES
-    poll_metrics(p.base_url, lambda m: 0 < m.get(HELD_BYTES, 0) <= cap
-                 and m.get(KV_CACHE_USAGE, 1) <= 0.5)
-    answer = complete(p.base_url, prompt_ids(4000, seed=89), 4)  # a new prefill runs
-    assert len(answer.token_ids) == 4
-    wait_usage(p.base_url, timeout_s=30)  # the lease (10 s) of those held ended
-    poll_metrics(p.base_url, lambda m: m.get(HELD_REQUESTS, 1) == 0)
-
-
-def test_kvbridge_proxy_lets_p_go_when_d_refuses_or_the_client_leaves(
-    vllm_servers: ServersForTest,
-    p_spec: ServerSpec,
-    d_spec: ServerSpec,
-    tmp_path: Path,
-) -> None:
-    """P's blocks go back at once (not at the end of their 30 s lease) when D refuses the
-    request P prefilled for it, or when the client leaves after P's first token."""
-    p, d = pd_pair(vllm_servers, p_spec, d_spec)
-    wait_usage(p.base_url)
-    body = {"model": str(p.spec.model), "temperature": 0.0, "ignore_eos": True}
-    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
-        # P answers (the proxy asks it for one token, not streamed); D refuses (400)
-        d_refuses = [{"stream": False, "stream_options": {"include_usage": True}},
-                     {"stream": True, "min_tokens": 10}]  # > max_tokens
-        for seed, changes in enumerate(d_refuses):
-            refused = {**body, "prompt": prompt_ids(600, seed=90 + seed), "max_tokens": 5,
-                       **changes}
-            response = httpx.post(f"{proxy}/v1/completions", json=refused, timeout=60)
-            assert response.status_code >= 400 or "decode refused" in response.text, (
-                response.text[:300])
-            wait_usage(p.base_url)
-        gone = {**body, "prompt": prompt_ids(700, seed=92), "max_tokens": 3000, "stream": True}
-        with httpx.stream("POST", f"{proxy}/v1/completions", json=gone, timeout=60) as response:
-            for _ in response.iter_lines():
-                break  # P's token came: the client leaves
-        wait_usage(p.base_url)
-        wait_usage(d.base_url)
-
-
-def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
-    vllm_servers: ServersForTest,
-    ref_spec: ServerSpec,
-    p_spec: ServerSpec,
-    tiny_llama: Path,
-    tmp_path: Path,
-) -> None:
-    lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
-    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
-    # through the proxy D loads the whole prompt (P's token is appended to D's prompt)
-    num_sync = sum(1 for n in lengths if -(-n // BLOCK_SIZE) <= SYNC_BLOCKS)
-    assert 0 < num_sync < len(lengths)
-    expected = reference(vllm_servers, ref_spec, prompts)
-    d_mixed = ServerSpec(
-        tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE, instance="d-mixed",
-        kv_transfer_config=kv_config(sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES),
-    )
-    p, d = pd_pair(vllm_servers, p_spec, d_mixed)
-    before = counters(d.base_url)
-    answers: dict[int, list[int] | BaseException] = {}
-
-    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
-
-        def ask(index: int) -> None:
-            try:
-                answers[index] = complete(
-                    proxy, prompts[index], NUM_NEW_TOKENS, model=str(p.spec.model)
-                ).token_ids
-            except BaseException as exc:  # reported below
-                answers[index] = exc
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-    assert answers == dict(enumerate(expected))
-    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
-    assert after[TRANSFERS] == before[TRANSFERS] + 8
-    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    prompt = prompt_ids(900, seed=5)
+    params = prefill(p.base_url, prompt)
+    poll_metrics(p.base_url, lambda m: m.get(KV_CACHE_USAGE, 0) > 0)  # held for D
+    body = {
+        "model": str(d.spec.model),
+        "prompt": prompt,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": params,
+    }
+    with httpx.stream(
+        "POST", f"{d.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
+        for _ in response.iter_lines():
+            break  # the client reads one event and leaves
     wait_usage(p.base_url)
     wait_usage(d.base_url)
 
@@ -407,6 +303,36 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy(
                 assert answer == want, (stream, prompt[:40])
     wait_usage(p.base_url)
     wait_usage(d.base_url)
+
+
+def test_kvbridge_proxy_lets_p_go_when_d_refuses_or_the_client_leaves(
+    vllm_servers: ServersForTest,
+    p_spec: ServerSpec,
+    d_spec: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    """P's blocks go back at once (not at the end of their 30 s lease) when D refuses the
+    request P prefilled for it, or when the client leaves after P's first token."""
+    p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    wait_usage(p.base_url)
+    body = {"model": str(p.spec.model), "temperature": 0.0, "ignore_eos": True}
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+        # P answers (the proxy asks it for one token, not streamed); D refuses (400)
+        d_refuses = [{"stream": False, "stream_options": {"include_usage": True}},
+                     {"stream": True, "min_tokens": 10}]  # > max_tokens
+        for seed, changes in enumerate(d_refuses):
+            refused = {**body, "prompt": prompt_ids(600, seed=90 + seed), "max_tokens": 5,
+                       **changes}
+            response = httpx.post(f"{proxy}/v1/completions", json=refused, timeout=60)
+            assert response.status_code >= 400 or "decode refused" in response.text, (
+                response.text[:300])
+            wait_usage(p.base_url)
+        gone = {**body, "prompt": prompt_ids(700, seed=92), "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{proxy}/v1/completions", json=gone, timeout=60) as response:
+            for _ in response.iter_lines():
+                break  # P's token came: the client leaves
+        wait_usage(p.base_url)
+        wait_usage(d.base_url)
 
 
 FORGERIES = ("unsigned", "lease extended", "blocks reordered", "another server",
@@ -460,3 +386,58 @@ def test_forged_params_sent_straight_to_d_move_no_byte_and_d_answers_right(
     # every hold on P was given back: the honest ones by D, the other prompt's too
     # (D refused it as signed for another prompt and told P)
     wait_usage(p.base_url)
+
+
+def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
+    vllm_servers: ServersForTest,
+    ref_spec: ServerSpec,
+    p_spec: ServerSpec,
+    mixed: ServerSpec,
+    tmp_path: Path,
+) -> None:
+    lengths = [7, 90, 130, 256, 300, 511, 800, 1200]
+    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
+    # through the proxy D loads the whole prompt (P's token is appended to D's prompt)
+    num_sync = sum(1 for n in lengths if -(-n // BLOCK_SIZE) <= SYNC_BLOCKS)
+    assert 0 < num_sync < len(lengths)
+    expected = reference(vllm_servers, ref_spec, prompts)
+    p, d = pd_pair(vllm_servers, p_spec, mixed)
+    before = counters(d.base_url)
+    with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
+        answers = at_once([partial(complete, proxy, prompt, NUM_NEW_TOKENS,
+                                   model=str(p.spec.model)) for prompt in prompts])
+    assert [answer.token_ids for answer in answers] == expected
+    after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
+    assert after[TRANSFERS] == before[TRANSFERS] + 8
+    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    wait_usage(p.base_url)
+    wait_usage(d.base_url)
+
+
+def test_unread_prefills_are_capped_and_held_until_their_lease_ends(
+    vllm_servers: ServersForTest,
+    tiny_llama: Path,
+) -> None:
+    """A flood of prefills nobody reads takes at most half of P's cache (the default
+    ``max_held_share``: the oldest holds go first) and new prefills still run; the
+    holds left end with their lease."""
+    num_blocks = 65  # what the longest context (8192 tokens) needs, and vLLM's null block
+    spec = ServerSpec(
+        tiny_llama,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=kv_config(lease_s=10),
+        extra_args=("--num-gpu-blocks-override", str(num_blocks)),
+        instance="lease",
+    )
+    p = vllm_servers.private(spec)
+    prompts = [prompt_ids(9 * BLOCK_SIZE - 50, seed=80 + i) for i in range(8)]  # 9 blocks each
+    for prompt in prompts:  # 72 blocks held for nobody without a cap: the last would wait
+        prefill(p.base_url, prompt)
+    cap = num_blocks // 2 * BLOCK_NBYTES
+    poll_metrics(p.base_url, lambda m: 0 < m.get(HELD_BYTES, 0) <= cap
+                 and m.get(KV_CACHE_USAGE, 1) <= 0.5)
+    answer = complete(p.base_url, prompt_ids(4000, seed=89), 4)  # a new prefill runs
+    assert len(answer.token_ids) == 4
+    wait_usage(p.base_url, timeout_s=30)  # the lease (10 s) of those held ended
+    poll_metrics(p.base_url, lambda m: m.get(HELD_REQUESTS, 1) == 0)

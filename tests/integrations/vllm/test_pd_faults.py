@@ -18,7 +18,6 @@ import pytest
 
 from tests.integrations.vllm.client import complete
 from tests.integrations.vllm.pd import (
-    BLOCK_NBYTES,
     BLOCK_SIZE,
     FAILURES,
     LATE_SYNC_LOADS,
@@ -28,6 +27,7 @@ from tests.integrations.vllm.pd import (
     ZERO_CONFIG,
     counters,
     kv_config,
+    mixed_spec,
     pd_complete,
     poll_metrics,
     prefill,
@@ -58,11 +58,11 @@ def assert_request_fails(d: VllmServer, prompt: list[int], params: dict[str, obj
 
 
 def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Path) -> None:
+    # D: test_pd.py's mixed server (loads of up to 4 blocks synchronous, larger ones
+    # asynchronous: both kinds fail; policy recompute) and its P (the zero config: fail)
+    d_recompute, d_fail = vllm_servers.shared_all(
+        mixed_spec(tiny_llama), spec(tiny_llama, json.dumps(ZERO_CONFIG), "p"))
     p = vllm_servers.private(spec(tiny_llama, json.dumps(ZERO_CONFIG), "doomed"))
-    # loads of up to 4 blocks synchronous, larger ones asynchronous: both kinds fail
-    d_recompute = vllm_servers.private(spec(
-        tiny_llama, kv_config("recompute", sync_load_max_bytes=4 * BLOCK_NBYTES), "recompute"))
-    d_fail = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "d"))
     prompts = [prompt_ids(300, seed=29), prompt_ids(650, seed=30)]  # 3 and 6 blocks
     expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
     params = [prefill(p.base_url, prompt) for prompt in prompts]
@@ -117,9 +117,9 @@ def test_a_peer_without_the_secret_is_refused(
     secret.write_text("a cluster secret of at least 16 bytes\n")
     secret.chmod(0o600)
     with_secret = kv_config(secret_file=str(secret))
-    p = vllm_servers.private(spec(tiny_llama, with_secret, "p-secret"))
-    d = vllm_servers.private(spec(tiny_llama, with_secret, "d-secret"))
-    d_without = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "d"))
+    d_without = vllm_servers.shared(spec(tiny_llama, json.dumps(ZERO_CONFIG), "p"))
+    p, d = vllm_servers.private_all(spec(tiny_llama, with_secret, "p-secret"),
+                                    spec(tiny_llama, with_secret, "d-secret"))
     prompt = prompt_ids(400, seed=31)
     expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
 

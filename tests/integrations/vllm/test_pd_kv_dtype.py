@@ -7,8 +7,8 @@ dtype differs is refused at the handshake, its log names both dtypes, and the
 request fails (vLLM's default ``kv_load_failure_policy``), never answered from
 bytes of another dtype.
 
-Servers (bf16 tiny Llama): P and D with an fp8 cache; the bf16 D of
-``test_pd.py`` (shared when it still runs).
+Servers (bf16 tiny Llama): P and D with an fp8 cache; the bf16 P of
+``test_pd.py`` as the other D (shared when it still runs).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def spec(model: Path, instance: str, *extra: str) -> ServerSpec:
 
 
 def test_fp8_cache_moves_as_it_is(vllm_servers: ServersForTest, tiny_llama: Path) -> None:
-    p = vllm_servers.shared(spec(tiny_llama, "p-fp8", "--kv-cache-dtype", "fp8"))
-    d = vllm_servers.shared(spec(tiny_llama, "d-fp8", "--kv-cache-dtype", "fp8"))
+    p, d = vllm_servers.shared_all(spec(tiny_llama, "p-fp8", "--kv-cache-dtype", "fp8"),
+                                   spec(tiny_llama, "d-fp8", "--kv-cache-dtype", "fp8"))
     for num_tokens in (5, 300):
         prompt = prompt_ids(num_tokens, seed=70)
         expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids  # colocated, fp8
@@ -66,7 +66,7 @@ def test_a_d_of_another_cache_dtype_is_refused_at_the_handshake(
     vllm_servers: ServersForTest, tiny_llama: Path,
 ) -> None:
     p = vllm_servers.shared(spec(tiny_llama, "p-fp8", "--kv-cache-dtype", "fp8"))
-    d = vllm_servers.shared(spec(tiny_llama, "d"))  # bf16 cache
+    d = vllm_servers.shared(spec(tiny_llama, "p"))  # bf16 cache: test_pd.py's P, as D
     prompt = prompt_ids(200, seed=71)
     params = prefill(p.base_url, prompt)
     before = counters(d.base_url)

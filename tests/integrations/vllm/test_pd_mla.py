@@ -18,9 +18,8 @@ local prefix hit, so a prompt it saw before is loaded again, whole.
 from __future__ import annotations
 
 import json
-import threading
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -33,6 +32,7 @@ from tests.integrations.vllm.pd import (
     FAILURES,
     TRANSFERS,
     ZERO_CONFIG,
+    at_once,
     counters,
     pd_complete,
     poll_metrics,
@@ -88,8 +88,8 @@ def num_blocks(num_tokens: int) -> int:
 @pytest.fixture
 def servers_a_b(vllm_servers: ServersForTest,
                 tiny_deepseek: Path) -> tuple[VllmServer, VllmServer]:
-    return (vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a")),
-            vllm_servers.shared(mla_spec(tiny_deepseek, 1, "b")))
+    a, b = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"), mla_spec(tiny_deepseek, 1, "b"))
+    return a, b
 
 
 @pytest.mark.parametrize("num_prompt_tokens", [5, MLA_BLOCK_SIZE, 300])
@@ -150,23 +150,11 @@ def test_mla_requests_at_once(servers_a_b: tuple[VllmServer, VllmServer]) -> Non
     prefills = [complete(p.base_url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
                 for prompt in prompts]
     before = counters(d.base_url)
-    answers: dict[int, Any] = {}
-
-    def ask(index: int) -> None:
-        first = prefills[index]
-        try:
-            rest = complete(d.base_url, prompts[index] + first.token_ids, NUM_NEW_TOKENS - 1,
-                            kv_transfer_params=first.kv_transfer_params)
-            answers[index] = first.token_ids + rest.token_ids
-        except BaseException as exc:  # reported below
-            answers[index] = exc
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert answers == dict(enumerate(expected))
+    rests = at_once([partial(complete, d.base_url, prompt + first.token_ids, NUM_NEW_TOKENS - 1,
+                             kv_transfer_params=first.kv_transfer_params)
+                     for prompt, first in zip(prompts, prefills, strict=True)])
+    assert [first.token_ids + rest.token_ids
+            for first, rest in zip(prefills, rests, strict=True)] == expected
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 5)
     assert after[BYTES] - before[BYTES] == sum(
         num_blocks(len(prompt)) for prompt in prompts) * MLA_BLOCK_NBYTES
@@ -177,8 +165,8 @@ def test_mla_requests_at_once(servers_a_b: tuple[VllmServer, VllmServer]) -> Non
 def test_mla_with_p_and_d_of_different_tp_sizes(
     vllm_servers: ServersForTest, tiny_deepseek: Path,
 ) -> None:
-    tp1 = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
-    tp2 = vllm_servers.shared(mla_spec(tiny_deepseek, 2, "t"))
+    tp1, tp2 = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"),
+                                       mla_spec(tiny_deepseek, 2, "t"))
     for num_tokens in (9, 100):
         prompt = prompt_ids(num_tokens, seed=60)
         expected = complete(tp2.base_url, prompt, TP_NEW_TOKENS).token_ids
@@ -206,8 +194,8 @@ def test_mla_answers_of_tp_2_match_tp_1_colocated(
     vllm_servers: ServersForTest, tiny_deepseek: Path,
 ) -> None:
     """The TP test's premise: float32 greedy tokens do not depend on the TP size here."""
-    tp1 = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
-    tp2 = vllm_servers.shared(mla_spec(tiny_deepseek, 2, "t"))
+    tp1, tp2 = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"),
+                                       mla_spec(tiny_deepseek, 2, "t"))
     for seed in (60, 61, 62):
         prompt = prompt_ids(100, seed=seed)
         assert (complete(tp1.base_url, prompt, TP_NEW_TOKENS).token_ids
@@ -218,9 +206,10 @@ def test_mla_p_refuses_a_dense_d(
     vllm_servers: ServersForTest, tiny_deepseek: Path, tiny_llama_fp32: Path,
 ) -> None:
     """Params of an MLA P sent to a Llama D: refused at the handshake, the log names it."""
-    p = vllm_servers.shared(mla_spec(tiny_deepseek, 1, "a"))
-    d = vllm_servers.shared(ServerSpec(tiny_llama_fp32, dtype="float32", block_size=128,
-                                       kv_transfer_config=json.dumps(ZERO_CONFIG)))
+    p, d = vllm_servers.shared_all(  # D: test_pd_tp.py's TP 1 server
+        mla_spec(tiny_deepseek, 1, "a"),
+        ServerSpec(tiny_llama_fp32, dtype="float32", block_size=128,
+                   kv_transfer_config=json.dumps(ZERO_CONFIG)))
     prompt = prompt_ids(40, seed=62)
     params = prefill(p.base_url, prompt)
     before = counters(d.base_url)

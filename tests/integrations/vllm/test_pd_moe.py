@@ -34,9 +34,9 @@ def test_moe_pd_answers_equal_colocated(
     vllm_servers: ServersForTest, tiny_model_factory: TinyModelFactory,
 ) -> None:
     model: Path = tiny_model_factory("float32", initializer_range=0.2, kind="moe")
-    p, d = (vllm_servers.private(ServerSpec(
+    p, d = vllm_servers.private_all(*(ServerSpec(
         model, dtype="float32", block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG), instance=name)) for name in ("p", "d"))
+        kv_transfer_config=json.dumps(ZERO_CONFIG), instance=name) for name in ("p", "d")))
     for num_tokens in (5, BLOCK_SIZE, 700):
         prompt = prompt_ids(num_tokens, seed=80)
         expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids

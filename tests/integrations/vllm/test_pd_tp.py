@@ -29,7 +29,12 @@ from tests.integrations.vllm.pd import (
     prompt_ids,
     wait_usage,
 )
-from tests.integrations.vllm.servers import ServersForTest, ServerSpec
+from tests.integrations.vllm.servers import (
+    ServersForTest,
+    ServerSpec,
+    group_pids,
+    shm_mapped_by_group,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -47,7 +52,7 @@ def tp_specs(model: Path) -> list[ServerSpec]:
 def test_p_and_d_with_different_tp_sizes(
     vllm_servers: ServersForTest, tiny_llama_fp32: Path
 ) -> None:
-    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
+    tp1, tp2 = vllm_servers.shared_all(*tp_specs(tiny_llama_fp32))
     for num_tokens in (9, 300, 1100):
         num_blocks = -(-(num_tokens - 1) // BLOCK_SIZE)
         prompt = prompt_ids(num_tokens, seed=20)
@@ -75,7 +80,7 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy_p_tp2_d_t
 ) -> None:
     """As issue 28 saw it: P TP 2 -> D TP 1 behind ``kvbridge proxy``, answers
     whose first token is half a UTF-8 character among whole ones, all at once."""
-    tp1, tp2 = (vllm_servers.shared(spec) for spec in tp_specs(tiny_llama_fp32))
+    tp1, tp2 = vllm_servers.shared_all(*tp_specs(tiny_llama_fp32))
     model = str(tp2.spec.model)
     texts = first_texts(tp2.base_url, model, TEXT_PROMPTS)
     split = [prompt for prompt, text in zip(TEXT_PROMPTS, texts, strict=True) if not text]
@@ -90,3 +95,27 @@ def test_first_tokens_that_are_half_a_character_through_kvbridge_proxy_p_tp2_d_t
                 assert answer == want, (stream, prompt[:40])
     for server in (tp1, tp2):
         wait_usage(server.base_url)
+
+
+def test_tp2_float32_matches_tp1_colocated_and_stops_clean(
+    vllm_servers: ServersForTest, tiny_llama_fp32: Path
+) -> None:
+    """The premise of the tests above (greedy tokens do not depend on the TP size
+    here), asked without ``kv_transfer_params``; then the harness's promise for
+    TP 2 (last here: it stops the shared TP 2 server)."""
+    tp1, tp2 = vllm_servers.shared_all(*tp_specs(tiny_llama_fp32))
+    for num_prompt_tokens in (5, 17, 128, 300, 600):
+        prompt = prompt_ids(num_prompt_tokens, seed=2)
+        answer_tp1 = complete(tp1.base_url, prompt, NUM_NEW_TOKENS)
+        answer_tp2 = complete(tp2.base_url, prompt, NUM_NEW_TOKENS)
+        assert answer_tp2.token_ids == answer_tp1.token_ids, f"{num_prompt_tokens} prompt tokens"
+
+    # TP 2 is what leaves /dev/shm files behind (vLLM never unlinks its all-reduce
+    # buffers); stop() must remove them and take every process of the group along.
+    # (Only this server's files: other test runs may have servers up meanwhile.)
+    assert tp2.pid is not None
+    mapped = shm_mapped_by_group(tp2.pid)
+    assert any(path.name.startswith("vllm_dist_") for path in mapped), mapped
+    tp2.stop()
+    assert group_pids(tp2.pid) == []
+    assert [path for path in mapped if path.exists()] == []
