@@ -111,6 +111,9 @@ def add_serve_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
                    "for a non-loopback --transfer-host without a secret; logged)")
     p.add_argument("--lease", type=float, default=None, metavar="SECONDS",
                    help="how long P keeps a finished prefill's blocks for D")
+    p.add_argument("--max-held-share", type=float, default=None, metavar="SHARE",
+                   help="share of P's KV cache that prefills held for D may take (default "
+                        "0.5; the oldest holds are revoked beyond it)")
     p.add_argument("--load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--transfer-option", action="append", default=[], metavar="NAME=VALUE",
                    help="transfer agent timeout or size (an AgentConfig field, e.g. "
@@ -184,6 +187,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                                     "host_buffer": args.host_buffer}
         if args.lease is not None:
             settings["lease_s"] = args.lease
+        if args.max_held_share is not None:
+            settings["max_held_share"] = args.max_held_share
         if args.transfer_option:
             settings["agent"] = parse_agent_options(args.transfer_option)
         connector = ConnectorSettings(

@@ -81,15 +81,17 @@ def build(config: EngineConfig) -> tuple[ConnectorScheduler, str, ConnectorWorke
         head_dim=model.head_dim, num_layers=model.num_layers, layout=config.layout,
         block_size=config.block_size, is_mla=False,
     )
+    secret = settings.secret
+    if secret is None:  # zero config: the host secret on one host, else refuse or insecure
+        secret = cluster_secret(settings.host, insecure=settings.insecure, fix=_FIX)
+    num_blocks = config.kv_cache_config().num_blocks
     scheduler = ConnectorScheduler(
         settings.engine_id, config.role.value, topology, settings.host,
         settings.transfer_base_port, config.block_size, lease_s=settings.lease_s,
         load_failure_policy="fail" if settings.load_failure_policy == "fail" else "recompute",
-        secret=settings.secret,
+        secret=secret,  # P signs its params with it, D checks them
+        max_held_blocks=int(num_blocks * settings.max_held_share),
     )
-    secret = settings.secret
-    if secret is None:  # zero config: the host secret on one host, else refuse or insecure
-        secret = cluster_secret(settings.host, insecure=settings.insecure, fix=_FIX)
     agent = msgspec.structs.replace(settings.agent or AgentConfig(),
                                     listen_host=settings.listen_host or settings.host)
     spec = ConnectorWorkerSpec(

@@ -53,6 +53,8 @@ class ConnectorSettings:
             non-loopback ``host`` then refuses to start.
         insecure: With no secret, run without authentication (logged at every start).
         lease_s: How long P keeps a finished request's blocks for readers.
+        max_held_share: Share of P's KV cache blocks that finished prefills
+            held for readers may take; beyond it the oldest holds are revoked.
         load_failure_policy: ``recompute`` (roll back to the first bad block)
             or ``fail`` (the request fails with an error).
         host_buffer: Stage transfers through a host copy of the cache.
@@ -60,7 +62,7 @@ class ConnectorSettings:
 
     Raises:
         ConfigError: empty id or host, a port outside ``[1, 65535]``, a
-            non-positive lease or an unknown policy.
+            non-positive lease, a held share outside ``(0, 1]`` or an unknown policy.
     """
 
     engine_id: str
@@ -70,6 +72,7 @@ class ConnectorSettings:
     insecure: bool = False
     listen_host: str | None = None
     lease_s: float = 30.0
+    max_held_share: float = 0.5
     load_failure_policy: str = "recompute"
     host_buffer: bool = False
     agent: AgentConfig | None = None
@@ -82,6 +85,8 @@ class ConnectorSettings:
             raise ConfigError(f"transfer_base_port {self.transfer_base_port} outside [1, 65535]")
         if not self.lease_s > 0:
             raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
+        if not 0 < self.max_held_share <= 1:
+            raise ConfigError(f"max_held_share must be in (0, 1], got {self.max_held_share}")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ConfigError(f"load_failure_policy must be 'recompute' or 'fail', got "
                               f"{self.load_failure_policy!r}")

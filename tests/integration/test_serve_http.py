@@ -223,6 +223,10 @@ def test_flags_build_the_engine_config(tmp_path: Path) -> None:
         "--transfer-listen-host", "0.0.0.0"))
     assert insecure.connector is not None and insecure.connector.insecure
     assert insecure.connector.secret is None and insecure.connector.listen_host == "0.0.0.0"
+    capped = build_engine_config(serve_args("--transfer-port", "7000", "--max-held-share", "0.2"))
+    assert capped.connector is not None and capped.connector.max_held_share == 0.2
+    with pytest.raises(ConfigError, match="max_held_share"):
+        build_engine_config(serve_args("--transfer-port", "7000", "--max-held-share", "0"))
     colocated = build_engine_config(serve_args("--num-blocks", "50"))
     assert colocated.connector is None and colocated.num_blocks == 50
 
@@ -230,13 +234,22 @@ def test_flags_build_the_engine_config(tmp_path: Path) -> None:
 def test_zero_config_engines_authenticate_and_bind_the_advertised_address(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the engine hands its TP workers: the host secret, the listener's address."""
+    from kvbridge.connector.params import parse_kv_transfer_params
     from kvbridge.engine.connector_host import build
+    from tests.connector.helpers import Req
 
     monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
     monkeypatch.setenv("KVBRIDGE_SECRET_DIR", str(tmp_path / "kvb"))
-    _, _, spec = build(build_engine_config(serve_args("--transfer-port", "7000")))
+    scheduler, _, spec = build(build_engine_config(serve_args("--transfer-port", "7000")))
     assert spec.secret == (tmp_path / "kvb" / "secret").read_bytes().strip()
     assert spec.agent is not None and spec.agent.listen_host == "127.0.0.1"
+    # the scheduler holds the same secret: params nobody signed plan no read
+    unsigned = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1",
+                "remote_port": 5600, "remote_block_ids": [1], "remote_block_size": 16,
+                "remote_num_tokens": 16, "grant": "g" * 22}
+    request = Req("r", list(range(17)), parse_kv_transfer_params(unsigned))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.get_stats().num_params_refused == 1
     _, _, spec = build(build_engine_config(serve_args(
         "--transfer-port", "7000", "--transfer-host", "10.1.2.3", "--insecure",
         "--transfer-listen-host", "0.0.0.0")))
