@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.binding import kv_digest
+from kvbridge.connector.params import KVTransferParams, params_key, sign_params
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
 from kvbridge.engine.request import FinishReason, RequestOutput, SamplingParams
 from kvbridge.topology import KVLayout
 from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.protocol.cluster_secret import cluster_secret
 from tests.engine.helpers import MICRO
 from tests.ports import free_port_base
 from tests.waiting import wait_until
@@ -194,15 +196,22 @@ def test_concurrent_handoffs(engines: dict[str, LLMEngine]) -> None:
 
 
 def forged_params(p: LLMEngine, prompt: Sequence[int]) -> KVTransferParams:
-    """Params naming P's real address but a grant P never issued: every read fails."""
+    """Params naming P's real address but a grant P never issued: every read fails.
+
+    Signed with the cluster secret (the zero config's host secret) and bound to
+    the prompt, as a buggy P's would be: D plans the load, and P refuses the read.
+    """
     settings = p.config.connector
     assert settings is not None
     num_blocks = -(-len(prompt) // p.config.block_size)
-    return KVTransferParams(
+    block_ids = list(range(1, num_blocks + 1))
+    params = KVTransferParams(
         do_remote_prefill=True, remote_engine_id=settings.engine_id, remote_host=settings.host,
-        remote_port=settings.transfer_base_port, remote_block_ids=list(range(1, num_blocks + 1)),
+        remote_port=settings.transfer_base_port, remote_block_ids=block_ids,
         remote_tp_size=p.config.tp_size, remote_block_size=p.config.block_size,
-        remote_num_tokens=len(prompt), grant="forged-grant-never-issued")
+        remote_num_tokens=len(prompt), grant="forged-grant-never-issued",
+        kv_digest=kv_digest(prompt, block_ids).hex())
+    return sign_params(params, params_key(cluster_secret(settings.host)))
 
 
 def run_on(d: LLMEngine, p: LLMEngine, request_id: str) -> RequestOutput:
