@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
@@ -67,6 +68,7 @@ def _writer(conn: Connection, mode: str, libatomic: bool, stop: Event) -> None:
             assert board.publish(TOKEN, blocks, 600.0, None)
             for _ in range(4):  # live a while, its deadline moving under the reader
                 board.renew(TOKEN, 600.0)
+                time.sleep(0.00005)  # and still: the reader must get some whole reads in
             board.withdraw(TOKEN)
             turn += 1
     else:  # protection off: the live slot rewritten in place, a field at a time

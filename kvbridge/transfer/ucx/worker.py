@@ -498,4 +498,22 @@ class UcxWorker:
             if not item.future.done():
                 item.future.set_exception(PeerClosedError("UCX worker closed"))
         self._pending.clear()
+        self._forget_unexpected()
+
+    def _forget_unexpected(self) -> None:
+        """Take every unexpected tagged message off the worker, without receiving it.
+
+        ucxx's worker destructor receives each one and progresses until that
+        receive completes. A rendezvous message whose sender gave up (a send
+        deadline, a dead peer; peer error handling is off) never completes: the
+        destructor, run by the garbage collector at any later point, would spin
+        for ever. Messages taken off here are not received (their descriptors
+        go with the worker).
+        """
+        anything = ucx_api.UCXXTagMask(0)
+        for _ in range(_MAX_DRAIN * 64):
+            if not self._worker.tag_probe(ucx_api.UCXXTag(0), anything, remove=True).matched:
+                return
+        logger.warning("UCX worker closed with more than %d unexpected messages",
+                       _MAX_DRAIN * 64)
 
