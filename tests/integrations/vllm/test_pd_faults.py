@@ -22,6 +22,7 @@ from tests.integrations.vllm.pd import (
     FAILURES,
     LATE_SYNC_LOADS,
     NUM_NEW_TOKENS,
+    PARAMS_REFUSED,
     SYNC_LOADS,
     TRANSFERS,
     ZERO_CONFIG,
@@ -126,10 +127,19 @@ def test_a_peer_without_the_secret_is_refused(
     ok = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
     assert ok.completion.token_ids == expected and ok.num_transfers == 1
 
+    # a D with another secret (here: this user's host secret) cannot verify P's
+    # signature: it reads nothing and computes the prompt itself (the agents'
+    # handshake refuses such a peer too: tests/transfer/test_cluster_secret.py)
     params = prefill(p.base_url, prompt)
-    assert_request_fails(d_without, prompt, params)
+    before = counters(d_without.base_url)
+    done = complete(d_without.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+    assert done.token_ids == expected
+    after = poll_metrics(d_without.base_url,
+                         lambda m: m.get(PARAMS_REFUSED, 0) > before[PARAMS_REFUSED])
+    assert (after.get(TRANSFERS, 0), after.get(FAILURES, 0)) == (before[TRANSFERS],
+                                                                 before[FAILURES])
     log = d_without.log_path.read_text(errors="replace")
-    assert "missing or wrong cluster secret proof" in log, log[-3000:]
+    assert "refusing its kv_transfer_params (bad_signature)" in log, log[-3000:]
     # P is not wedged: the refused reader's grant ends with its lease; others still read
     again = pd_complete(p.base_url, d.base_url, prompt_ids(300, seed=32), expect_transfers=1)
     assert again.num_transfers == 1
