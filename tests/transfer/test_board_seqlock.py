@@ -130,7 +130,7 @@ def test_no_torn_slot_is_accepted_under_a_concurrent_writer(libatomic: bool) -> 
         pytest.skip("libatomic.so.1 not loadable here")
     torn, consistent, writes = _hammer(
         "board", libatomic, lambda torn, consistent, reads: consistent >= 200 and reads >= 20_000)
-    assert writes > 100 and consistent >= 200  # the reader got through, often, while written
+    assert writes > 10 and consistent >= 200  # the reader got through, often, while written
     assert torn == 0
 
 
