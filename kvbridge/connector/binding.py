@@ -10,7 +10,7 @@ the two (``TransferAgent.issue_grant`` / ``start_read``, reject reason
 ``prompt_mismatch``)::
 
     P  ConnectorScheduler._hold_for_readers   kv_digest(prompt[:n], held block ids)
-         -> SendRequest.kv_digest -> ConnectorWorker.wait_for_save -> issue_grant
+         -> SendRequest.kv_digest -> ConnectorWorker.start_load_kv -> issue_grant
     D  ConnectorScheduler.get_num_new_matched_tokens
                                  kv_digest(own prompt[:remote_num_tokens], remote_block_ids)
          -> RecvRequest.kv_digest -> ConnectorWorker._start_read -> start_read

@@ -4,10 +4,18 @@ It owns the worker's ``TransferAgent`` and carries out the ``ConnectorMetadata``
 that the scheduler side builds each step. Per step the engine calls, on every
 worker, with the same metadata::
 
-    worker.start_load_kv(meta)   # start reads (D), notices, revocations; returns at once
+    worker.start_load_kv(meta)   # hold finished prefills' blocks under their grants (P);
+                                 # start reads (D), notices, revocations; returns at once
     ... forward pass ...
-    worker.wait_for_save()       # hold finished prefills' blocks under their grants (P)
+    worker.wait_for_save()       # nothing left to do: kept for the engines' call order
     out = worker.get_output()    # -> KVOutputAggregator -> ConnectorScheduler
+
+A prefill in ``meta.reqs_to_send`` finished in an earlier step, whose forward
+has ended (its token was sampled), so its KV is complete before this step's
+forward: its grant is issued before that forward, not after. The engine has
+already returned that token with the params, and D's read may be at P's door;
+a grant issued after a long forward (another prompt's prefill) would keep that
+read waiting (``grant_wait_s``) for nothing.
 
 Steps without requests count too: the engine keeps stepping while
 ``ConnectorScheduler.has_pending_work()``.
@@ -106,7 +114,6 @@ class ConnectorWorker:
         self._agent: TransferAgent | None = None
         self._device: list[torch.Tensor] = []
         self._host: list[torch.Tensor] | None = None
-        self._meta: ConnectorMetadata | None = None
         self._written: dict[str, list[int]] = {}  # read in flight -> blocks it writes
         self._failed: dict[str, set[int]] = {}  # failed read -> blocks, until it is reported
         self._sending: set[str] = set()  # grants given back without readers
@@ -218,9 +225,9 @@ class ConnectorWorker:
             ConfigError: ``register_kv_caches`` was not called.
         """
         agent = self._require_agent()
-        self._meta = metadata
         for request_id in metadata.reqs_to_release:
             agent.grants.revoke(request_id)
+        self._hold(agent, metadata)
         for notice in metadata.reqs_to_notify:
             agent.notify_done(
                 notice.request_id, engine_id=notice.remote_engine_id, host=notice.remote_host,
@@ -254,16 +261,20 @@ class ConnectorWorker:
             self._recving.add(recv.request_id)
 
     def wait_for_save(self) -> None:
-        """Hold this step's finished prefills for readers (issue their grants).
+        """Nothing to do: ``start_load_kv`` already held the step's finished prefills.
+
+        Kept because engines call it after each forward (vLLM's connector API).
+        """
+
+    def _hold(self, agent: TransferAgent, meta: ConnectorMetadata) -> None:
+        """Hold the finished prefills of ``meta`` for readers (issue their grants).
 
         A grant that cannot be issued is reported as finished sending at once,
         so the engine frees the blocks instead of holding them for nobody.
         Each grant is bound to its ``kv_digest``: reads naming another prompt
         (or the blocks in another order) are refused by the agent.
         """
-        agent = self._require_agent()
-        meta, self._meta = self._meta, None
-        for send in meta.reqs_to_send if meta is not None else ():
+        for send in meta.reqs_to_send:
             try:
                 if self._host is not None:  # readers read the mirror at once: wait for it
                     with on_device(self._device[0]):

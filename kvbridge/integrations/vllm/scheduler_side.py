@@ -31,6 +31,11 @@ kvbridge's own engine:
   does one still running at its deadline (``sync_load_deadline_s``): its read
   goes on in the background, so a request that ends before that read does
   keeps its blocks (``delay_free``) until the workers report the read ended.
+  A load is synchronous only from a P this engine has read from before
+  without a failure (a *warm* P): the first read from a P connects and
+  handshakes with each of its ranks, which is no work for a forward to wait
+  on; a P whose read failed is cold again until an asynchronous read from it
+  succeeds.
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ class VllmSchedulerSide:
         self._received_here: set[str] = set()  # aborted before any worker read them
         self._sync: set[str] = set()  # loads made synchronously, until reported received
         self._sync_ended: set[str] = set()  # of those, requests ended: free when received
+        self._loading_from: dict[str, str] = {}  # load in flight -> P's engine id
+        self._warm: set[str] = set()  # P engines read from, last read without failure
         self._num_refused_reported = 0
         self._gauges_reported: dict[str, int] | None = None
 
@@ -182,9 +189,15 @@ class VllmSchedulerSide:
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """``(tokens to load, load asynchronously)``; small loads are synchronous."""
+        view = _RequestView.of(request)
         num_tokens, is_async = self._scheduler.get_num_new_matched_tokens(
-            _RequestView.of(request), num_computed_tokens)
-        if not is_async or self._per_request_failures:
+            view, num_computed_tokens)
+        params = view.kv_transfer_params
+        engine_id = params.remote_engine_id if params is not None else None
+        if not is_async or engine_id is None:
+            return num_tokens, is_async
+        self._loading_from[request.request_id] = engine_id
+        if self._per_request_failures or engine_id not in self._warm:
             return num_tokens, is_async
         block_size = self.facts.block_size
         num_blocks = -(-(num_computed_tokens + num_tokens) // block_size) - (
@@ -226,8 +239,10 @@ class VllmSchedulerSide:
         """Take in the workers' aggregated output before vLLM acts on it."""
         stats = output.kv_connector_stats
         invalid = set(output.invalid_block_ids)
-        for request_id in getattr(output, "failed_recving", None) or ():
+        failed_recving = set(getattr(output, "failed_recving", None) or ())
+        for request_id in failed_recving:
             invalid.update(self._scheduler.loading_block_ids(request_id))
+        self._track_warm(output.finished_recving or set(), failed_recving, invalid)
         self._scheduler.update_connector_output(KVConnectorOutput(
             finished_sending=output.finished_sending, finished_recving=output.finished_recving,
             kv_connector_stats=(stats.to_transfer_stats() if isinstance(stats, KVBridgeStats)
@@ -250,6 +265,19 @@ class VllmSchedulerSide:
             self._sync_ended -= freed
             output.finished_sending = (output.finished_sending or set()) | freed
 
+    def _track_warm(self, finished: set[str], failed: set[str], invalid: set[int]) -> None:
+        """A P whose load failed (a late synchronous one included: its blocks are
+        reported before its read ends) is cold; one whose load ended well is warm."""
+        if failed or invalid:
+            for request_id, engine_id in list(self._loading_from.items()):
+                if request_id in failed or invalid.intersection(
+                        self._scheduler.loading_block_ids(request_id)):
+                    del self._loading_from[request_id]
+                    self._warm.discard(engine_id)
+        for request_id in finished:
+            if request_id in self._loading_from:
+                self._warm.add(self._loading_from.pop(request_id))
+
     # ---------------------------------------------------------------- request end
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -268,6 +296,7 @@ class VllmSchedulerSide:
             aborted=aborted)
         if load != "dispatched":
             self._sync.discard(request_id)  # no worker will report it
+            self._loading_from.pop(request_id, None)
         elif request_id in self._sync:  # a late synchronous read may still write into them
             self._sync_ended.add(request_id)
             return True, None

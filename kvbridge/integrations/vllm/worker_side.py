@@ -4,9 +4,10 @@ One per vLLM worker process (TP/PP rank). vLLM's model runner calls, per step
 (steps with nothing to compute included)::
 
     bind_connector_metadata(StepMetadata)   (the facade keeps it)
-    start_load_kv()      -> ConnectorWorker.start_load_kv: reads, notices, releases
+    start_load_kv()      -> ConnectorWorker.start_load_kv: grants for finished prefills,
+                            reads, notices, releases
     ... forward ...
-    wait_for_save()      -> ConnectorWorker.wait_for_save: grants for finished prefills
+    wait_for_save()      -> ConnectorWorker.wait_for_save (nothing left to do)
     get_finished()       -> ConnectorWorker.get_output(); (sending, recving) returned,
     get_block_ids_with_load_errors(), get_kv_connector_stats()  -> the rest of that output
 
@@ -185,7 +186,7 @@ class VllmWorkerSide:
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
 
     def wait_for_save(self) -> None:
-        """Hold the step's finished prefills for readers."""
+        """Nothing left to do (``start_load_kv`` held the finished prefills)."""
         self._require().wait_for_save()
 
     def get_finished(self, metadata: StepMetadata | None) -> tuple[set[str] | None,

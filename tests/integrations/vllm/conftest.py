@@ -6,6 +6,8 @@
   package) with the same ``ServerSpec``, ``.private(spec)`` for one stopped at
   the end of this test.
   At most three run at once (``ServerPool``): each takes ~25 s to start and ~3 GB.
+  A failed test's report ends with its servers' warnings and errors (CI keeps
+  no log files).
 
 Every test here needs ``import vllm`` to work (checked once, in a child
 process, so vLLM never loads into the pytest process). If it does not, the
@@ -30,6 +32,16 @@ REQUIRE_VLLM_ENV = "KVBRIDGE_REQUIRE_VLLM"
 MAX_SERVERS = 3  # ~3 GB resident each on a 24 GiB machine, with room for the rest
 
 TinyModelFactory = Callable[..., Path]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Add the servers' notable log lines to the report of a test that failed."""
+    outcome = yield
+    report = outcome.get_result()
+    servers = getattr(item, "funcargs", {}).get("vllm_servers")
+    if report.failed and report.when == "call" and isinstance(servers, ServersForTest):
+        report.sections.append(("vLLM server logs", servers.failure_report()))
 
 
 @pytest.fixture(scope="session", autouse=True)

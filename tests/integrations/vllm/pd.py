@@ -227,6 +227,12 @@ def pd_complete(
     )
 
 
+def warm_up(p_url: str, d_url: str) -> None:
+    """One P/D request, so D's later small loads from P are synchronous (a first
+    load from a P is not: it connects to P's ranks)."""
+    pd_complete(p_url, d_url, prompt_ids(3, seed=999), 1, expect_transfers=1)
+
+
 def wait_usage(url: str, at_most: float = 0.0, timeout_s: float = 15.0) -> float:
     """Wait until the server's KV cache usage is ``<= at_most``; returns it."""
     return poll_metrics(

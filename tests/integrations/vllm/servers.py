@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -357,9 +358,15 @@ class ServerPool:
         self._shared: dict[ServerSpec, VllmServer] = {}  # insertion order = LRU order
         self._private: list[VllmServer] = []
         self._in_test: set[ServerSpec] = set()
+        self._used: dict[int, VllmServer] = {}  # the current test's servers, by id
 
     def begin_test(self) -> None:
         self._in_test.clear()
+        self._used.clear()
+
+    def used(self) -> list[VllmServer]:
+        """The servers the current test asked for (for its failure report)."""
+        return list(self._used.values())
 
     def end_test(self) -> None:
         private, self._private = self._private, []
@@ -385,6 +392,7 @@ class ServerPool:
                 server.launch()
                 launched.append(server)
             self._shared[spec] = server  # most recently used last
+            self._used[id(server)] = server
         self._wait_all(launched)
         return [self._shared[spec] for spec in specs]
 
@@ -398,6 +406,7 @@ class ServerPool:
             self._make_room()
             server = VllmServer(spec, log_dir, startup_timeout_s=startup_timeout_s)
             self._private.append(server)  # stopped by end_test(), started or not
+            self._used[id(server)] = server
             server.launch()
             launched.append(server)
         self._wait_all(launched)
@@ -429,6 +438,10 @@ class ServerPool:
             server.stop()
 
 
+_NOTABLE = re.compile(r"ERROR|WARNING|Traceback|Error|kvbridge|^\s+File |^\s+\w+Error")
+"""Log lines a failure report keeps (vLLM's own startup chatter is INFO)."""
+
+
 class ServersForTest:
     """What one test sees of the pool (the ``vllm_servers`` fixture).
 
@@ -441,6 +454,19 @@ class ServersForTest:
     def __init__(self, pool: ServerPool, log_dir: Path) -> None:
         self._pool = pool
         self._log_dir = log_dir
+
+    def failure_report(self, num_lines: int = 40) -> str:
+        """What a failed test shows of its servers: each log's warnings, errors and
+        tracebacks, last ``num_lines`` of them (CI keeps no files)."""
+        parts = []
+        for server in self._pool.used():
+            try:
+                lines = server.log_path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            picked = [line for line in lines if _NOTABLE.search(line)]
+            parts.append(f"--- {server.log_path.name} ---\n" + "\n".join(picked[-num_lines:]))
+        return "\n".join(parts)
 
     def shared(self, spec: ServerSpec) -> VllmServer:
         [server] = self._pool.shared_all(spec)

@@ -56,6 +56,7 @@ from tests.integrations.vllm.pd import (
     prefill,
     prompt_ids,
     wait_usage,
+    warm_up,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
 from tests.ports import free_port
@@ -124,6 +125,7 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     prompt = prompt_ids(num_prompt_tokens)
     [expected] = reference(vllm_servers, ref_spec, [prompt])
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
+    warm_up(p.base_url, d.base_url)
     result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
     assert result.completion.token_ids == expected
     # P announces where its (only) worker listens: its own port, not a base
@@ -402,6 +404,7 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
     assert 0 < num_sync < len(lengths)
     expected = reference(vllm_servers, ref_spec, prompts)
     p, d = pd_pair(vllm_servers, p_spec, mixed)
+    warm_up(p.base_url, d.base_url)
     before = counters(d.base_url)
     with kvbridge_proxy(p.base_url, d.base_url, tmp_path / "proxy.log") as proxy:
         answers = at_once([partial(complete, proxy, prompt, NUM_NEW_TOKENS,

@@ -43,6 +43,9 @@ def test_moe_pd_answers_equal_colocated(
         result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
         assert result.completion.token_ids == expected
         assert (result.num_transfers, result.num_failures) == (1, 0)
+        # every load here is small (synchronous), but the first from a P is not: it
+        # connects to P's ranks, which no forward waits on
+        assert result.num_sync_loads == (0 if num_tokens == 5 else 1)
         assert result.external_hits == num_tokens - 1
         assert result.nbytes == -(-(num_tokens - 1) // BLOCK_SIZE) * MOE_BLOCK_NBYTES
     wait_usage(p.base_url)
