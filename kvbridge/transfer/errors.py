@@ -16,6 +16,8 @@ Hierarchy::
         ProtocolError         malformed, truncated, oversized or unexpected bytes
         RejectedError         the peer refused us with a reason code
           LeaseRefusedError   ... a lease renewal (fails the read that asked)
+            NoReadServedError ... one naming no read the server serves (ends the
+                                  renewals only)
         ReplyPendingError     a second wait for a reply already awaited on a link
       ConfigError
         MissingPortError      a read needs a remote rank its per-rank port list lacks
@@ -62,6 +64,18 @@ class LeaseRefusedError(RejectedError):
     """The server refused to renew the grant of one read (``Reject(renewal=True)``).
 
     Fails that read alone; the link and its other reads go on.
+    """
+
+
+class NoReadServedError(LeaseRefusedError):
+    """The server serves no read of the grant under the renewal's xfer id
+    (``Reject(no_read, renewal=True)``): it extended nothing.
+
+    A lease is renewed only while the server serves a read of the grant (see
+    ``serving/grants.py``). The server's half of the read has ended (its sends
+    are done, or the read failed there), or it never had one (a same-host copy
+    on the grant board's word, which the server does not hear of). Ends the
+    renewals, not the read: the read's own data says whether it succeeded.
     """
 
 

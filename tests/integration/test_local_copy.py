@@ -273,6 +273,58 @@ def test_the_board_never_allows_what_the_server_refuses(
     assert counters.num_board_copies == (2 if case == "released" else 1)
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_copies_on_the_boards_word_never_keep_a_grant_alive(
+    hosts: tuple[Host, Host], inline: bool,
+) -> None:
+    """Issue #29, finding 4, for copies that never ask: the server hears of a copy on
+    its grant board's word only from the done report after it, pins nothing for it
+    and renews nothing for it (the reader sends no renewal for such a read, and the
+    server would refuse one as ``no_read``). So a reader copying so, over and over,
+    cannot keep a grant alive: the lease ends as issued, the board withdraws the
+    grant before its blocks go back (a copy overlapping that is dropped by the seq
+    check), and the next read asks and is refused. ``inline``: 50 MiB copies on the
+    caller's thread; else on the agent's loop, in slices, long past ``renew_every_s``
+    (a reader that renewed every read it made, asked or not, moved the lease)."""
+    shape = {"head_dim": 128, "num_blocks": 220}  # 256 KiB blocks
+    server = add(hosts[0], replace(P_SPEC, manual_clock=True, **shape))
+    config: dict[str, Any] = {"renew_every_s": 1e-4}
+    if not inline:
+        config.update(inline_copy_max_nbytes=0, copy_threads=1)  # ~10 ms a copy
+    reader = add(hosts[1], replace(D_SPEC, **shape), **config)
+    server.call("caches")  # moved once, before any go
+    read_ok(server, reader, "link", [1, 2], [3, 4])  # opens the link (on the board's word)
+    token = secrets.token_urlsafe(16)
+    blocks = list(range(8, 208))  # 200 blocks: 50 MiB (a board slot holds 256 ids)
+    server.call("issue", "held", blocks, 100, 5.0, token)  # 100 readers: never all reported
+    expires_at = server.call("next_expiry")
+
+    def read_held(request_id: str) -> dict[str, Any]:
+        read([reader], [server], request_id, token, blocks, list(range(len(blocks))),
+             16 * len(blocks))
+        return wait_read(reader, request_id)
+
+    num_copies = 5
+    for n in range(num_copies):
+        outcome = read_held(f"copy-{n}")
+        assert outcome["failed"] == set(), outcome["stats"]
+        [stats] = outcome["stats"]
+        assert stats.num_local_copies == 1
+    wait_counter(server, "num_board_copies", 1 + num_copies, 10.0)  # their done reports
+    counters = server.call("counters")
+    assert counters.num_copy_holds == 0 and counters.num_data_bytes_sent == 0  # never asked
+    assert server.call("next_expiry") == expires_at  # no copy moved the lease
+    server.call("advance", 5.0)  # the lease as issued
+    wait_released(server, "held")
+    stats, num_live = server.call("grant_stats")
+    assert (stats.num_released_expired, num_live) == (1, 0)
+    outcome = read_held("late")
+    assert outcome["failed"] == set(range(len(blocks)))  # off the board: asked, refused
+    [stats] = outcome["stats"]
+    assert "expired_grant" in stats.error, stats
+    assert server.call("counters").num_board_copies == 1 + num_copies
+
+
 def test_a_copy_that_outlives_its_hold_is_dropped(hosts: tuple[Host, Host]) -> None:
     """The reader keeps copied bytes only if the copy ended inside the server's hold
     (asked copies: without the board every copy asks)."""

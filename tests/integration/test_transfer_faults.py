@@ -229,3 +229,62 @@ def test_direct_read_to_a_stalled_reader_ends_at_its_send_deadline() -> None:
     finally:
         p_host.close()
         d_host.close()
+
+
+def test_a_lease_is_renewed_only_for_a_read_in_flight() -> None:
+    """Issue #29, finding 4: a lease could be renewed without a read in flight, so a
+    peer holding a grant's token kept P's blocks held as long as it kept asking.
+
+    A raw client renews a grant (1) reading nothing, (2) while a read of another
+    grant is in flight: both refused as ``no_read``, and that grant expires at its
+    original time; (3) for the read's own grant: renewed, to that read's deadline
+    on P (chunk_timeout_s per chunk) and no later. P's grant clock moves only
+    when the test says, so "its original time" is exact.
+    """
+    p_host = Host()
+    try:
+        server = p_host.add(replace(P_SPEC, engine_id="p-lease", port=free_port_base(1),
+                                    manual_clock=True,
+                                    config={"lease_s": 30.0, "chunk_timeout_s": 5.0}))
+        idle, reading = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        server.call("issue", "idle", [4, 5], 1, 5.0, idle)
+        server.call("issue", "reading", [6, 7], 1, 5.0, reading)
+        expires_at = server.call("next_expiry")
+
+        async def renew() -> list[wire.Message]:
+            worker, conn = await connect(server.port)
+            replies = []
+            try:
+                await reader_handshake(conn, CODEC, me(), "p-lease", 0, max_nbytes=MAX_FRAME,
+                                       timeout_s=5)
+
+                async def ask(msg: wire.Message) -> None:
+                    await send_msg(conn, CODEC, msg, 5.0)
+                    replies.append(await recv_msg(conn, CODEC, MAX_FRAME, 5.0))
+
+                await ask(wire.RenewLease(idle, 60.0, 1))
+                # a staged read of two one-block chunks, never credited: in flight
+                # (P waits chunk_timeout_s for the credit) until it gives up
+                await ask(wire.ReadRequest(2, reading, [6, 7], 0, 8, 0, 4, 1))
+                await ask(wire.RenewLease(idle, 60.0, 2))
+                await ask(wire.RenewLease(reading, 60.0, 2))
+                return replies
+            finally:
+                conn.abort()
+                await worker.close()
+
+        no_read, header, other_read, own = asyncio.run(renew())
+        for reply, xfer_id in ((no_read, 1), (other_read, 2)):
+            assert isinstance(reply, wire.Reject), reply  # not LeaseRenewed
+            assert (reply.reason, reply.renewal, reply.xfer_id) == (
+                wire.RejectReason.NO_READ, True, xfer_id), reply
+        assert isinstance(header, wire.DataHeader) and header.num_chunks == 2, header
+        assert isinstance(own, wire.LeaseRenewed), own
+        assert own.remaining_s == 2 * 5.0  # the read's deadline, not the 60 s asked for
+        assert server.call("next_expiry") == expires_at  # the idle grant's, unchanged
+        server.call("advance", 5.0)  # its lease as issued; the read's grant lives on
+        wait_released(server, "idle")
+        stats, num_live = server.call("grant_stats")
+        assert (stats.num_released_expired, num_live) == (1, 1)
+    finally:
+        p_host.close()

@@ -209,6 +209,8 @@ def _child(conn: Connection) -> None:
             return None
         if cmd == "grant_stats":
             return agent.grants.stats(), len(agent.grants)
+        if cmd == "next_expiry":  # the earliest lease end of the live grants (grant clock)
+            return agent.grants.next_expiry()
         if cmd == "counters":
             return agent.counters()
         if cmd == "memmoves":  # bytes copied from maps of servers' caches, in this process

@@ -150,17 +150,9 @@ async def server_and_reader(
 Script = Callable[[UcxConnection, wire.MessageCodec, wire.Message], Awaitable[None]]
 
 
-@asynccontextmanager
-async def fake_server_link(
-    answer: Script, reader_config: dict[str, Any] | None = None,
-) -> AsyncIterator[tuple[PeerLink, RemoteRead]]:
-    """A ``PeerLink`` to a scripted server: a real handshake, then ``answer`` per message.
-
-    Yields the link and the one item of its read plan (all heads and layers).
-    """
-    executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
-    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
-    codec = wire.MessageCodec()
+def _scripted_session(answer: Script, s_local: LocalKV,
+                      codec: wire.MessageCodec) -> Callable[[UcxConnection], Awaitable[None]]:
+    """A server session that handshakes for real, answers pings, and ``answer``s the rest."""
 
     async def session(conn: UcxConnection) -> None:
         hello = await serve_handshake(conn, codec, identity(SERVER_ID),
@@ -174,10 +166,24 @@ async def fake_server_link(
             else:
                 await answer(conn, codec, msg)
 
+    return session
+
+
+@asynccontextmanager
+async def fake_server_link(
+    answer: Script, reader_config: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[PeerLink, RemoteRead]]:
+    """A ``PeerLink`` to a scripted server: a real handshake, then ``answer`` per message.
+
+    Yields the link and the one item of its read plan (all heads and layers).
+    """
+    executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
+    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
     s_worker, r_worker = UcxWorker(), UcxWorker()
     link: PeerLink | None = None
     try:
-        port = s_worker.listen(HOST, 0, session, timeout_s=5.0)
+        port = s_worker.listen(HOST, 0, _scripted_session(answer, s_local, wire.MessageCodec()),
+                               timeout_s=5.0)
         r_cfg = AgentConfig(**{**FAST, "direct_reads": False, **(reader_config or {})})
         r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
                               r_cfg, BufferPool(4), executor)
@@ -187,6 +193,32 @@ async def fake_server_link(
     finally:
         if link is not None:
             await link.close()
+        await r_worker.close()
+        await s_worker.close()
+        executor.shutdown(wait=True)
+
+
+@asynccontextmanager
+async def fake_server_reader(
+    answer: Script, reader_config: dict[str, Any] | None = None,
+) -> AsyncIterator[Reader]:
+    """A reader (``Reads``, jobs and all) of a scripted server (see ``fake_server_link``)."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
+    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
+    s_worker, r_worker = UcxWorker(), UcxWorker()
+    reads: Reads | None = None
+    try:
+        port = s_worker.listen(HOST, 0, _scripted_session(answer, s_local, wire.MessageCodec()),
+                               timeout_s=5.0)
+        r_cfg = AgentConfig(**{**FAST, **(reader_config or {})})
+        r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
+                              r_cfg, BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks),
+                              executor)
+        reads = Reads(r_ctx, r_worker, f"{READER_ID}:0")
+        yield Reader(r_worker, r_ctx, reads, port)
+    finally:
+        if reads is not None:
+            await reads.close()
         await r_worker.close()
         await s_worker.close()
         executor.shutdown(wait=True)

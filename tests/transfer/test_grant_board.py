@@ -6,6 +6,7 @@ one in another process through ``CopySource`` like a reader does.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -164,5 +165,7 @@ def test_the_table_publishes_the_lease_and_renewals() -> None:
     assert spot is not None
     in_5s = time.monotonic() + 5.0  # the board's deadlines are monotonic seconds
     assert look(board, grant.token, [1], prompt=PROMPT, now=in_5s) is None
-    table.renew(grant.token, 50.0)
+    table.begin_read(grant.token, [1])  # a lease is renewed only for a read in flight
+    table.renew(grant.token, 50.0, until=math.inf)
+    table.end_read(grant.token)
     assert look(board, grant.token, [1], prompt=PROMPT, now=in_5s) == spot  # same seq

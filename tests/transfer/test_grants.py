@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvbridge.transfer.serving.grants import (
     ExpiredGrantError,
     GrantError,
     GrantTable,
+    NoReadInFlightError,
     Release,
     UnknownGrantError,
 )
@@ -102,7 +104,8 @@ def test_constructor_validates_leases() -> None:
 
 
 def test_errors_are_kvbridge_errors() -> None:
-    for cls in (UnknownGrantError, ExpiredGrantError, BlockNotGrantedError, DuplicateGrantError):
+    for cls in (UnknownGrantError, ExpiredGrantError, BlockNotGrantedError, DuplicateGrantError,
+                NoReadInFlightError):
         assert issubclass(cls, GrantError) and issubclass(cls, KVBridgeError)
 
 
@@ -117,8 +120,8 @@ def test_the_issuer_may_choose_the_token_and_every_lookup_takes_it() -> None:
     assert g.token == ENGINE_TOKEN and table.is_known(ENGINE_TOKEN)
     assert table.validate_read(ENGINE_TOKEN, [2]) == g
     table.begin_read(ENGINE_TOKEN, [1])
+    assert table.renew(ENGINE_TOKEN, 20.0, until=math.inf) == clock.now() + 20.0
     table.end_read(ENGINE_TOKEN)
-    assert table.renew(ENGINE_TOKEN, 20.0) == clock.now() + 20.0
     assert table.set_expected_readers(ENGINE_TOKEN, 3) is False  # fixed at issue
     assert table.reader_done(ENGINE_TOKEN, "d:0") is True
     assert table.drain_released() == [Release("r", (1, 2), "done")]
@@ -182,46 +185,104 @@ def test_validate_read_refuses_expired_grant_before_and_after_sweep() -> None:
     with pytest.raises(ExpiredGrantError):
         table.validate_read(g.token, [1])
     with pytest.raises(ExpiredGrantError):
-        table.renew(g.token, 5.0)
+        table.renew(g.token, 5.0, until=math.inf)
 
 
-def test_renew_extends_and_is_capped() -> None:
+def test_renew_extends_while_a_read_is_pinned_and_is_capped() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
+    table.begin_read(g.token, [1])
     clock.advance(8.0)
-    new_expiry = table.renew(g.token, 10.0)
+    new_expiry = table.renew(g.token, 10.0, until=math.inf)
     assert new_expiry == clock.now() + 10.0 > g.expires_at
     assert table.validate_read(g.token, [1]).expires_at == new_expiry
     clock.advance(5.0)  # past the original expiry
     assert table.expire() == []  # no next_expiry() call in between: expire() alone skips it
     table.validate_read(g.token, [1])
     assert table.next_expiry() == new_expiry
-    assert table.renew(g.token, 1e9) == clock.now() + MAX_LEASE_S
+    # never past max_lease_s after the grant was issued, however late the renewal
+    latest = g.expires_at - DEFAULT_LEASE_S + MAX_LEASE_S
+    assert table.renew(g.token, 1e9, until=math.inf) == latest
     # A shorter renewal never shortens the lease another reader relies on.
-    assert table.renew(g.token, 1.0) == clock.now() + MAX_LEASE_S
-    clock.advance(MAX_LEASE_S)
-    assert table.expire() == [Release("r", (1,), "expired")]
+    assert table.renew(g.token, 1.0, until=math.inf) == latest
+    clock.advance(latest - clock.now())
+    assert table.expire() == []  # expired, but released by the read's end_read
+    table.end_read(g.token)
+    assert table.drain_released() == [Release("r", (1,), "expired")]
     table.check_integrity()
+
+
+def test_a_renewal_without_a_read_in_flight_is_refused_and_extends_nothing() -> None:
+    """Finding 4 of issue #29: a lease could be renewed with no read in flight, so a
+    reader that read nothing kept P's blocks held as long as it kept asking."""
+    table, clock = make_table()
+    g = table.issue("r", [1, 2], 1)
+    with pytest.raises(NoReadInFlightError, match="no read in flight"):
+        table.renew(g.token, 50.0, until=math.inf)
+    table.begin_read(g.token, [1])
+    table.end_read(g.token)  # a read that ended is not one in flight
+    clock.advance(DEFAULT_LEASE_S - 1.0)
+    with pytest.raises(NoReadInFlightError):
+        table.renew(g.token, 50.0, until=math.inf)
+    assert table.validate_read(g.token, [1]).expires_at == g.expires_at
+    assert table.next_expiry() == g.expires_at
+    clock.advance(1.0)  # the lease as issued
+    assert table.expire() == [Release("r", (1, 2), "expired")]
+    table.check_integrity()
+
+
+def test_a_renewal_never_moves_the_lease_past_its_reads_deadline() -> None:
+    table, clock = make_table()
+    g = table.issue("r", [1], 1)
+    table.begin_read(g.token, [1])
+    deadline = clock.now() + 15.0  # what the server gives the read
+    assert table.renew(g.token, 40.0, until=deadline) == deadline
+    clock.advance(10.0)
+    assert table.renew(g.token, 40.0, until=deadline) == deadline
+    # a deadline before the lease's end extends nothing (and never shortens it)
+    assert table.renew(g.token, 40.0, until=clock.now() + 1.0) == deadline
+    table.end_read(g.token)
+    table.check_integrity()
+
+
+def test_reads_one_after_another_keep_a_grant_at_most_max_lease_s() -> None:
+    """Renewal after renewal, each for a read in flight: the lease still ends
+    ``max_lease_s`` after the grant was issued."""
+    table, clock = make_table()
+    g = table.issue("r", [1], 1)
+    issued_at = clock.now()
+    while clock.now() < issued_at + 2 * MAX_LEASE_S:
+        try:
+            table.begin_read(g.token, [1])
+        except ExpiredGrantError:
+            break
+        table.renew(g.token, DEFAULT_LEASE_S, until=clock.now() + DEFAULT_LEASE_S)
+        clock.advance(DEFAULT_LEASE_S / 2)
+        table.end_read(g.token)
+    assert clock.now() >= issued_at + MAX_LEASE_S
+    assert table.expire() == [Release("r", (1,), "expired")]
 
 
 def test_renew_after_expiry_or_of_unknown_token_fails() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
+    table.begin_read(g.token, [1])
     clock.advance(DEFAULT_LEASE_S + 1)
     with pytest.raises(ExpiredGrantError):
-        table.renew(g.token, 5.0)
+        table.renew(g.token, 5.0, until=math.inf)
     with pytest.raises(UnknownGrantError):
-        table.renew("x" * TOKEN_LEN, 5.0)
+        table.renew("x" * TOKEN_LEN, 5.0, until=math.inf)
     with pytest.raises(ConfigError):
-        table.renew(g.token, -1.0)
+        table.renew(g.token, -1.0, until=math.inf)
 
 
 def test_many_renewals_keep_expiry_heap_bounded() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
+    table.begin_read(g.token, [1])
     for _ in range(1000):
         clock.advance(0.01)
-        table.renew(g.token, DEFAULT_LEASE_S)
+        table.renew(g.token, DEFAULT_LEASE_S, until=math.inf)
     assert len(table._expiry_heap) <= 2 * len(table) + 65
     table.check_integrity()
 
@@ -417,7 +478,8 @@ _OPS = st.lists(
         st.tuples(st.just("advance"), st.floats(0.0, 15.0)),
         st.tuples(st.just("expire")),
         st.tuples(st.sampled_from(["done", "failed"]), st.integers(0, 20), st.integers(0, 3)),
-        st.tuples(st.just("renew"), st.integers(0, 20), st.floats(0.5, 200.0)),
+        st.tuples(st.just("renew"), st.integers(0, 20), st.floats(0.5, 200.0),
+                  st.floats(0.0, 100.0)),
         st.tuples(st.just("revoke"), st.integers(0, 20)),
         st.tuples(st.just("begin"), st.integers(0, 20)),
         st.tuples(st.just("end"), st.integers(0, 20)),
@@ -433,6 +495,7 @@ class _Model:
     block_ids: tuple[int, ...]
     expires_at: float
     num_expected_readers: int
+    issued_at: float = 0.0
     readers: set[str] = field(default_factory=set)
     num_pins: int = 0
     revoked: bool = False
@@ -470,7 +533,8 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
                 block_ids, num_readers, lease_s = args
                 rid = f"req{len(models)}"
                 g = table.issue(rid, block_ids, num_readers, lease_s)
-                models.append(_Model(rid, g.token, g.block_ids, g.expires_at, num_readers))
+                models.append(_Model(rid, g.token, g.block_ids, g.expires_at, num_readers,
+                                     clock.now()))
                 by_request[rid] = models[-1]
             elif kind == "advance":
                 clock.advance(args[0])
@@ -482,8 +546,15 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
                     m.readers.add(f"d:{args[1]}")
                 report(m.token, f"d:{args[1]}")
             elif kind == "renew" and m is not None:
-                m.expires_at = table.renew(m.token, args[1])
-                assert m.expires_at <= clock.now() + MAX_LEASE_S
+                before, until = m.expires_at, clock.now() + args[2]
+                try:
+                    m.expires_at = table.renew(m.token, args[1], until=until)
+                except NoReadInFlightError:
+                    assert m.num_pins == 0
+                    raise
+                assert m.num_pins > 0
+                assert m.expires_at == before or m.expires_at <= min(
+                    until, clock.now() + args[1], m.issued_at + MAX_LEASE_S)
             elif kind == "revoke" and m is not None:
                 m.revoked = table.revoke(m.request_id) or m.revoked
             elif kind == "begin" and m is not None:

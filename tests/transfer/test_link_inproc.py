@@ -6,7 +6,10 @@ The server's grant table runs on a ``ManualClock``: a lease ends when the test
 moves the clock, never by sleeping. Covers issue #20's protocol defects: a
 refused lease renewal fails its own read only, a peer's unexpected answer is a
 ``ProtocolError`` (never an assert), a second waiter for one reply is refused,
-and a grant is looked up by the one token its issuer chose.
+and a grant is looked up by the one token its issuer chose. And issue #29's
+finding 4: a lease is renewed only for a read of its grant in flight, never
+past that read's deadline; any other renewal is refused (``no_read``) and
+extends nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +20,30 @@ import secrets
 import numpy as np
 import pytest
 
+from kvbridge.topology import RemoteRead, build_read_plan
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
+    NoReadServedError,
     ProtocolError,
     RejectedError,
     ReplyPendingError,
 )
+from kvbridge.transfer.local_kv import topology_of
 from kvbridge.transfer.protocol import wire
+from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.ucx.connection import UcxConnection
 from tests.transfer.inproc import (
+    BLOCK_NBYTES,
+    BLOCK_SIZE,
+    FAST,
+    HOST,
+    LAYERS,
+    SERVER_ID,
+    TOPOLOGY,
+    Reader,
+    Server,
     fake_server_link,
+    fake_server_reader,
     same_blocks,
     server_and_reader,
 )
@@ -201,5 +218,136 @@ def test_a_refused_renewal_raises_lease_refused_and_keeps_the_link() -> None:
                 await link.renew("some-grant-token-00", 30.0, 4)
             assert isinstance(refused.value, RejectedError)  # a verdict, like any reject
             assert link.alive
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------- renewals only while reading
+
+
+async def open_link(server: Server, reader: Reader) -> tuple[PeerLink, RemoteRead]:
+    """A bare link of the reader's to the server, and the one item of its read plan."""
+    link = await PeerLink.open(reader.ctx, reader.worker, HOST, server.port, SERVER_ID, 0)
+    plan = build_read_plan(TOPOLOGY, 0, 0, topology_of(link.meta), SERVER_ID)
+    return link, plan.items[0]
+
+
+#: A SLOW staged read's deadline on the server: chunk_timeout_s and the test delay per chunk.
+READ_BUDGET_S = len(BLOCKS) * (FAST["chunk_timeout_s"] + SLOW["test_chunk_delay_s"])
+
+
+def test_a_lease_is_renewed_only_for_a_read_of_its_grant_in_flight() -> None:
+    """Issue #29, finding 4: the server renewed any live grant for anyone who asked,
+    reading or not, so a reader could keep P's blocks held for ever. Now: no read in
+    flight, a read of another grant, a read that ended: refused as ``no_read`` (the
+    reader's typed ``NoReadServedError``), nothing extended, the grant expires as
+    issued; the read's own grant is renewed, up to that read's deadline."""
+
+    async def run() -> None:
+        async with server_and_reader(SLOW, {"direct_reads": False}) as (server, reader):
+            grants, start = server.ctx.grants, server.clock.now()
+            grants.issue("reading", BLOCKS, 1, lease_s=5.0, token=(read_tok := token()))
+            idle = grants.issue("idle", [1], 1, lease_s=5.0, token=(idle_tok := token()))
+            link, item = await open_link(server, reader)
+            try:
+                with pytest.raises(NoReadServedError, match="no_read") as refused:
+                    await link.renew(idle_tok, 100.0, 1)  # no read at all
+                assert isinstance(refused.value, LeaseRefusedError)
+                assert refused.value.reason == R.NO_READ and link.alive
+                with pytest.raises(LeaseRefusedError, match="unknown_grant") as gone:
+                    await link.renew(token(), 100.0, 1)  # a grant that is gone says so
+                assert not isinstance(gone.value, NoReadServedError)
+
+                reading = asyncio.ensure_future(
+                    link.read(item, read_tok, BLOCKS, list(range(6)), BLOCK_SIZE * len(BLOCKS)))
+                [session] = server.ctx.sessions
+                await wait_until_async(
+                    lambda: [r.deadline for r in session.reads.values()] != [None]
+                    and bool(session.reads), 10.0, message="the read to be pinned")
+                [(xfer_id, served)] = session.reads.items()
+                with pytest.raises(NoReadServedError):  # a read in flight, of another grant
+                    await link.renew(idle_tok, 100.0, xfer_id)
+                remaining = await link.renew(read_tok, 100.0, xfer_id)  # its own: renewed
+                assert remaining == pytest.approx(READ_BUDGET_S)  # to its deadline, no later
+                assert grants.validate_read(read_tok, []).expires_at == served.deadline
+                await reading
+                assert same_blocks(server.ctx.local, BLOCKS, reader.ctx.local, list(range(6)))
+                with pytest.raises(NoReadServedError):  # the read ended: nothing to renew
+                    await link.renew(read_tok, 100.0, xfer_id)
+                assert link.alive and server.ctx.num_sessions_total == 1
+            finally:
+                await link.close()
+            assert grants.validate_read(idle_tok, []).expires_at == idle.expires_at
+            server.clock.advance(idle.expires_at - start)  # the idle grant's lease as issued
+            assert [r.request_id for r in grants.expire()] == ["idle"]
+            grants.check_integrity()
+
+    asyncio.run(run())
+
+
+def test_a_long_read_renews_its_lease_up_to_its_deadline_and_lands() -> None:
+    """A read longer than renew_every_s renews while it runs (and lands); the lease
+    it gets ends at the read's deadline on the server, not at ``now + lease_s``."""
+
+    async def run() -> None:
+        cfg = {**RENEWING, "lease_s": 1000.0}  # asks for far more than the read needs
+        async with server_and_reader(SLOW, cfg) as (server, reader):
+            grants = server.ctx.grants
+            # two readers expected: this one's report does not release the grant
+            g = grants.issue("long", BLOCKS, 2, lease_s=1.0, token=(tok := token()))
+            reader.submit("long", tok, BLOCKS, list(range(6)))
+            await wait_until_async(lambda: grants.next_expiry() != g.expires_at, 10.0,
+                                   message="a renewal")
+            pinned_at = server.clock.now()  # the grant clock never moves here
+            assert grants.next_expiry() == pytest.approx(pinned_at + READ_BUDGET_S)
+            stats = await reader.outcome("long")
+            assert stats.ok, stats
+            assert same_blocks(server.ctx.local, BLOCKS, reader.ctx.local, list(range(6)))
+            assert grants.next_expiry() == pytest.approx(pinned_at + READ_BUDGET_S)
+
+    asyncio.run(run())
+
+
+RENEWALS: list[int] = []
+
+
+async def _staged_read_with_refused_renewals(conn: UcxConnection, codec: wire.MessageCodec,
+                                             msg: wire.Message) -> None:
+    """Serve one staged read of one block, its chunk only after a renewal was refused
+    as ``no_read`` (a server whose half of the read is over, or never began)."""
+    match msg:
+        case wire.ReadRequest(xfer_id=xfer_id, block_ids=ids):
+            header = wire.DataHeader(xfer_id, 1, len(ids) * BLOCK_NBYTES * LAYERS)
+            await conn.send_frame(codec.encode(header), timeout_s=5.0)
+        case wire.RenewLease(xfer_id=xfer_id):
+            RENEWALS.append(xfer_id)
+            refused = wire.Reject(R.NO_READ, "no such read", xfer_id, renewal=True)
+            await conn.send_frame(codec.encode(refused), timeout_s=5.0)
+            if len(RENEWALS) == 1:  # the chunk later, while further renewals (if any) come
+                SENDS.append(asyncio.create_task(_send_chunk_later(conn, xfer_id)))
+        case _:
+            pass
+
+
+SENDS: list[asyncio.Task[None]] = []
+
+
+async def _send_chunk_later(conn: UcxConnection, xfer_id: int) -> None:
+    await asyncio.sleep(0.3)  # the reader takes the refusal in first, and renews again if it will
+    chunk = np.arange(BLOCK_NBYTES * LAYERS, dtype=np.uint8)
+    await conn.send(chunk, wire.channel_of(xfer_id, 0), timeout_s=5.0)
+
+
+def test_a_renewal_refused_as_no_read_ends_the_renewals_not_the_read() -> None:
+    RENEWALS.clear()
+    SENDS.clear()
+
+    async def run() -> None:
+        cfg = {"direct_reads": False, "renew_every_s": 0.05}
+        async with fake_server_reader(_staged_read_with_refused_renewals, cfg) as reader:
+            reader.submit("moot", "some-grant-token-00", [3], [5])
+            stats = await reader.outcome("moot")
+            assert stats.ok, stats  # its data came: the refusal is no verdict on it
+            assert len(RENEWALS) == 1, RENEWALS  # and no renewal after the refusal
 
     asyncio.run(run())

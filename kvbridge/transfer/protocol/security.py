@@ -65,14 +65,17 @@ from kvbridge.topology import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 9  # 2: direct reads, prompt-bound grants; 3: same-host copies;
+PROTOCOL_VERSION: int = 10  # 2: direct reads, prompt-bound grants; 3: same-host copies;
 # 4: the grant board (copies without asking); 5: fused K/V caches (fused_kv in TopologyInfo,
 # AgentMetadata and the compat hash); 6: a lease renewal names its read (RenewLease and
 # LeaseRenewed carry xfer_id; a refused one is Reject(xfer_id, renewal=True), not xfer_id 0);
 # 7: HostInfo says where every block plane is (origins, block_stride, place): a same-host
 # reader copies on the board's word from its first read; 8: HostInfo.board_fd (the board's
 # memfd, which a same-host reader maps); 9: RejectReason.BUSY (a server at its session
-# cap may answer a new connection with a Reject instead of a Challenge)
+# cap may answer a new connection with a Reject instead of a Challenge); 10:
+# RejectReason.NO_READ (a server renews a lease only for a read of it in flight, and
+# refuses any other renewal so; a 9 peer's decoder fails on the new value, which
+# would end its whole link: the handshake refuses it first)
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning

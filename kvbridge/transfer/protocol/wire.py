@@ -31,8 +31,11 @@ Same host (``reading/same_host.py``; offered in ``AgentMetadata.host``)::
     R -> S  ReadDone(..., copied_nbytes)   the bytes so copied, for S's counters
 
     R -> S  RenewLease(grant, lease_s, xfer_id)    renews the grant of read xfer_id
-    S -> R  LeaseRenewed(grant, remaining_s, xfer_id)
-            or Reject(xfer_id, reason, renewal=True): that read fails, the link goes on
+    S -> R  LeaseRenewed(grant, remaining_s, xfer_id)   (never past that read's deadline)
+            or Reject(xfer_id, reason, renewal=True): the link goes on; reason
+               expired_grant / unknown_grant: the grant is gone, that read fails
+               no_read: S serves no read xfer_id of that grant (nothing extended);
+               the read's own outcome stands
     either  Ping(seq) / Pong(seq)         heartbeats on idle connections
     either  Bye(reason)                   graceful close
 """
@@ -110,6 +113,8 @@ class RejectReason(StrEnum):
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
     BUSY = "busy"  # the server serves AgentConfig.max_sessions connections already
+    # A lease renewal naming no read of its grant that the server serves (protocol 10).
+    NO_READ = "no_read"
 
 
 class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):

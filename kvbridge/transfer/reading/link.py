@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from kvbridge.topology import RemoteRead
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
+    NoReadServedError,
     PeerClosedError,
     PeerTimeoutError,
     ProtocolError,
@@ -310,6 +311,9 @@ class PeerLink:
         Raises:
             LeaseRefusedError: the server refused (grant unknown, expired or being
                 released): read ``xfer_id`` should fail; the link goes on.
+            NoReadServedError: (a ``LeaseRefusedError``) the server serves no read
+                ``xfer_id`` of this grant and extended nothing; the read's own
+                outcome stands.
             ReplyPendingError: a renewal for read ``xfer_id`` is already waiting.
             ProtocolError: the answer is not a ``LeaseRenewed``.
             PeerTimeoutError, PeerClosedError: no answer (the link is failed).
@@ -318,8 +322,9 @@ class PeerLink:
         try:
             reply = await self.request(("renew", xfer_id), renewal)
         except RejectedError as exc:
-            raise LeaseRefusedError(exc.reason, f"renewal for read {xfer_id} refused: {exc}"
-                                    ) from None
+            refused = (NoReadServedError if exc.reason == wire.RejectReason.NO_READ
+                       else LeaseRefusedError)
+            raise refused(exc.reason, f"renewal for read {xfer_id} refused: {exc}") from None
         if not isinstance(reply, wire.LeaseRenewed):  # the dispatcher sends nothing else
             raise ProtocolError(f"{type(reply).__name__} from {self._conn.peer} answers a "
                                 f"lease renewal")

@@ -19,9 +19,13 @@ A notify-only job (``ReadJob.notify_only``) plans the same way but only sends
 ``ReadDone`` to every planned rank; it has no outcome to collect.
 
 A read that runs longer than ``renew_every_s`` renews its grant's lease every
-``renew_every_s``, naming itself (its xfer id). If the server refuses (the grant
-expired, was revoked or released meanwhile), that read fails with
-``LeaseRefusedError`` once it ends; other reads on the link are not touched.
+``renew_every_s``, naming itself (its xfer id), while the server serves it (a
+same-host copy on the grant board's word is not served: it renews nothing, see
+``same_host.py``). If the server refuses because the grant expired, was revoked
+or released meanwhile, that read fails with ``LeaseRefusedError`` once it ends;
+other reads on the link are not touched. If it refuses because it serves no such
+read (``NoReadServedError``: its half of the read ended first), the renewals end
+and the read's own data decides.
 
 When the job's plan is cached, has one item and its link is live (every read
 from a peer after the first, with TP alike or D's TP a multiple of P's),
@@ -62,6 +66,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
+    NoReadServedError,
     RejectedError,
     TransferError,
 )
@@ -344,11 +349,10 @@ class Reads:
         due: asyncio.TimerHandle | None = None
         try:
             begun = started[1] if started is not None else link.begin(link.prepare(item, job))
-            xfer_id = begun.request.xfer_id
             due = asyncio.get_running_loop().call_later(
                 self._ctx.config.renew_every_s,
                 lambda: renewer.append(asyncio.create_task(
-                    self._renew_while_reading(link, job.grant, xfer_id))),
+                    self._renew_while_reading(link, job.grant, begun))),
             )
             result = await link.finish(begun)
             refused = _refusal(renewer)
@@ -391,19 +395,26 @@ class Reads:
         self._reports.add(sent)
         sent.add_done_callback(self._reports.discard)
 
-    async def _renew_while_reading(self, link: PeerLink, grant: str, xfer_id: int) -> None:
-        """Renew now, then every ``renew_every_s`` (started once read ``xfer_id`` ran that long).
+    async def _renew_while_reading(self, link: PeerLink, grant: str, begun: BegunRead) -> None:
+        """Renew now, then every ``renew_every_s`` (started once ``begun`` ran that long),
+        while the server serves it (``begun.asked``: else that round is skipped).
 
         Raises:
             LeaseRefusedError: the server refused; the read fails when it ends
                 (``_refusal``). Any other failure ends the renewals only: a dead
-                link fails the read by itself.
+                link fails the read by itself, and a ``NoReadServedError`` means
+                the server's half of the read is over (nothing to renew).
         """
         cfg = self._ctx.config
+        xfer_id = begun.request.xfer_id
         while True:
             try:
-                remaining = await link.renew(grant, cfg.lease_s, xfer_id)
-                logger.debug("renewed grant of read %d for %.1fs", xfer_id, remaining)
+                if begun.asked:
+                    remaining = await link.renew(grant, cfg.lease_s, xfer_id)
+                    logger.debug("renewed grant of read %d for %.1fs", xfer_id, remaining)
+            except NoReadServedError as exc:
+                logger.debug("lease renewal of read %d moot: %s", xfer_id, exc)
+                return
             except LeaseRefusedError as exc:
                 logger.info("lease renewal of read %d refused: %s", xfer_id, exc)
                 raise

@@ -169,6 +169,13 @@ class SameHostCopy(BegunRead):
             raise
         return copy
 
+    @property
+    def asked(self) -> bool:
+        """False while copying on the board's word: the server does not know of the
+        copy, pins nothing for it and renews nothing for it (the board's seq lock
+        keeps it safe: a copy that outlives the grant is dropped)."""
+        return self.spot is None
+
     def finished_now(self) -> ItemResult | None:
         """The result if ``begin`` copied it whole on the board's word (still valid)."""
         if self.spot is None or self.early is None or not self.early.exhausted:

@@ -131,6 +131,12 @@ class BegunRead(ABC):
         """The result if the read needs no more waiting, else None (``finish`` it)."""
         return None
 
+    @property
+    def asked(self) -> bool:
+        """Whether the server was asked for this read (so it serves it, pinning the
+        grant): only such a read's lease may be renewed (``serving/grants.py``)."""
+        return True
+
     @abstractmethod
     async def finish(self) -> ItemResult:
         """Wait for the read to land (and unpack it).

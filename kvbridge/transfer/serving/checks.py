@@ -11,15 +11,16 @@ from __future__ import annotations
 import hmac
 import math
 
+from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.ranges import MAX_RANGES_PER_CHUNK, head_span, num_planes
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.serving import grants as grant_errors
-from kvbridge.transfer.serving.context import ServerContext
+from kvbridge.transfer.serving.context import ServedRead, ServerContext
 
 __all__ = [
     "block_nbytes", "check_request", "direct_nbytes", "grant_reason", "num_chunks", "pin",
-    "problem",
+    "problem", "read_budget_s",
 ]
 
 R = wire.RejectReason
@@ -27,6 +28,7 @@ _GRANT_REASONS: list[tuple[type[Exception], wire.RejectReason]] = [
     (grant_errors.ExpiredGrantError, R.EXPIRED_GRANT),
     (grant_errors.UnknownGrantError, R.UNKNOWN_GRANT),
     (grant_errors.BlockNotGrantedError, R.NOT_GRANTED),
+    (grant_errors.NoReadInFlightError, R.NO_READ),
 ]
 
 
@@ -95,11 +97,24 @@ def direct_nbytes(local: LocalKV, req: wire.ReadRequest) -> int:
     return len(req.block_ids) * num_layers * num_planes(local) * span.nbytes
 
 
-def pin(ctx: ServerContext, token: str, req: wire.ReadRequest) -> tuple[R, str] | None:
+def read_budget_s(cfg: AgentConfig, req: wire.ReadRequest) -> float:
+    """How long after pinning its grant the server may spend on ``req``: its deadline.
+
+    ``chunk_timeout_s`` per chunk (and the test-only delay per chunk). Every way
+    of serving ends the read by then: direct sends by their one timer, same-host
+    copies by their hold (``hold_s``), staged reads by a timeout over all chunks.
+    """
+    return num_chunks(req) * (cfg.chunk_timeout_s + cfg.test_chunk_delay_s)
+
+
+def pin(
+    ctx: ServerContext, token: str, req: wire.ReadRequest, read: ServedRead
+) -> tuple[R, str] | None:
     """Pin grant ``token`` for ``req`` (``begin_read``), or say why the read may not go on.
 
-    Returns None with the grant pinned (the caller must ``end_read`` it), else
-    ``(reason, message)`` for the ``Reject`` with nothing pinned.
+    Returns None with the grant pinned (the caller must ``end_read`` it) and
+    ``read.deadline`` set (``read_budget_s`` from now), else ``(reason,
+    message)`` for the ``Reject`` with nothing pinned.
     """
     try:
         grant = ctx.grants.begin_read(token, req.block_ids)
@@ -110,4 +125,5 @@ def pin(ctx: ServerContext, token: str, req: wire.ReadRequest) -> tuple[R, str] 
     ):
         ctx.grants.end_read(token)
         return R.PROMPT_MISMATCH, "the grant holds the KV of another prompt"
+    read.deadline = ctx.clock.now() + read_budget_s(ctx.config, req)
     return None

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.serving.copy_hold import CopyHold
 
 __all__ = [
-    "ReadCredit", "ServerContext", "Session", "await_grant", "expected_readers", "fix_readers",
+    "ServedRead", "ServerContext", "Session", "await_grant", "expected_readers", "fix_readers",
     "grant_issued",
 ]
 
@@ -80,15 +80,24 @@ class ServerContext:
 class Session:
     """What one open connection has in flight (registered in ``ServerContext.sessions``)."""
 
-    reads: dict[int, ReadCredit] = field(default_factory=dict)  # xfer id -> credit state
+    reads: dict[int, ServedRead] = field(default_factory=dict)  # xfer id -> read in flight
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # reads being served
     holds: dict[int, CopyHold] = field(default_factory=dict)  # xfer id -> copy under way
 
 
-class ReadCredit:
-    """Credit state of one read being served (a staged read waits on it per chunk)."""
+class ServedRead:
+    """One read being served on a session: its grant, its deadline, its credit.
 
-    def __init__(self) -> None:
+    ``deadline`` (the grant table's clock) is set once the grant is pinned for
+    the read (``checks.pin``): the server ends the read by then
+    (``checks.read_budget_s``), and a lease renewal the reader asks for it never
+    moves the lease past it. None: not pinned (yet). A staged read waits on
+    the credit per chunk.
+    """
+
+    def __init__(self, token: str) -> None:
+        self.token = token  # the grant the reader named
+        self.deadline: float | None = None
         self.credit = 0
         self.changed = asyncio.Event()
 

@@ -30,7 +30,7 @@ from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, Transfer
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.serving.checks import direct_nbytes
-from kvbridge.transfer.serving.context import ReadCredit, ServerContext
+from kvbridge.transfer.serving.context import ServedRead, ServerContext
 from kvbridge.transfer.ucx.connection import UcxConnection, ignore_outcome
 from kvbridge.transfer.ucx.iov import post_send_iov
 
@@ -51,7 +51,7 @@ class DirectSends:
 
     def __init__(
         self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, token: str,
-        reads: dict[int, ReadCredit],
+        reads: dict[int, ServedRead],
     ) -> None:
         self._ctx, self._conn, self._req, self._token, self._reads = ctx, conn, req, token, reads
         self._ended = False

@@ -13,7 +13,16 @@ once, for one of three reasons:
 Each release is queued once; the connector takes it from ``drain_released()`` and
 frees the blocks. A read in flight pins its grant (``begin_read``/``end_read``):
 a release that happens meanwhile is deferred until the last pinned read ends, so
-P never frees blocks that UCX is still sending from. With a grant board attached
+P never frees blocks that UCX is still sending from.
+
+Renewals are bounded three ways, so that no reader holds P's blocks beyond
+what its reads need: ``renew`` is refused (``NoReadInFlightError``, nothing
+extended) unless a read of the grant is pinned; it never moves the lease past
+``until``, the deadline of the read that asked (the server passes it: P ends
+that read by then, ``serving/session.py``); and never past ``max_lease_s``
+after the grant was issued, however many reads follow one another. A grant
+therefore lives at most ``max_lease_s`` after ``issue``, plus the end of the
+reads pinned at that moment. With a grant board attached
 (``attach_board``), live grants are also published there for same-host readers,
 and taken off when their release is decided, before the blocks can be freed
 (``protocol/grant_board.py``).
@@ -23,7 +32,8 @@ Lifecycle of one grant::
     issue ──> live ──(all readers reported)──> done    ─┐
                │  ──(now >= expires_at)──────> expired ─┼─(no reads in flight)─> Release
                │  ──(revoke)─────────────────> revoked ─┘      in drain_released()
-               └─ renew() moves expires_at later (never past now + max_lease_s)
+               └─ renew() while a read is pinned moves expires_at later (never past
+                  that read's deadline, nor issue time + max_lease_s)
 
 The number of expected readers may be unknown when the grant is issued (P learns
 D's topology only when D's first reader handshakes): ``issue`` with
@@ -51,7 +61,7 @@ Thread safety: every public method takes one internal lock and does no I/O and
 no callbacks under it (``on_release`` runs after it is let go), so the agent's
 event loop thread and the connector's thread may both call the table.
 
-Why one module of ~670 lines: one class under one lock, whose invariants
+Why one module of ~700 lines: one class under one lock, whose invariants
 (``check_integrity``) span every method; its error and record types are the
 vocabulary of those methods. Split, each half would need the other's locking.
 
@@ -64,7 +74,8 @@ Example::
     grant = table.issue("req-1", block_ids=[4, 9, 2], num_expected_readers=2)
     # ... grant.token goes to D; on P, for each incoming read:
     table.begin_read(grant.token, [4, 9])        # raises GrantError subclasses
-    ...                                          # pack and send the blocks
+    ...                                          # pack and send the blocks; a long
+    table.renew(grant.token, 30.0, until=t_end)  # read renews (t_end: its deadline)
     table.end_read(grant.token)
     table.reader_done(grant.token, "engine-d:0")
     table.reader_done(grant.token, "engine-d:1")  # -> True, release queued
@@ -115,6 +126,14 @@ class BlockNotGrantedError(GrantError):
     """A read named block ids that the grant does not hold."""
 
 
+class NoReadInFlightError(GrantError):
+    """A renewal of a live grant with no read pinned (``begin_read``): nothing extended.
+
+    A lease is renewed only while a read of the grant is served; a reader that
+    is not reading lets the lease run out, as it was issued.
+    """
+
+
 class DuplicateGrantError(GrantError):
     """A live grant already exists for this request id, or has (or had) this token."""
 
@@ -159,6 +178,7 @@ class _Entry:
     reader_failed: dict[str, bool] = field(default_factory=dict)  # reader id -> failed?
     num_active_reads: int = 0
     closing: ReleaseReason | None = None  # set once; released when no reads are in flight
+    latest_expiry: float = math.inf  # issue time + max_lease_s: no renewal goes past it
 
 
 def _token_len_ok(token: str) -> bool:
@@ -182,7 +202,8 @@ class GrantTable:
     Args:
         clock: time source (monotonic seconds).
         default_lease_s: lease of ``issue`` when none is given.
-        max_lease_s: no grant ever expires later than ``now + max_lease_s``.
+        max_lease_s: no grant ever expires later than ``max_lease_s`` after its
+            ``issue`` (nor does ``issue`` give a longer lease).
         num_tombstones: how many released tokens to remember, so that a late
             read of an expired grant gets ``ExpiredGrantError`` and a late done
             report returns ``False`` instead of raising.
@@ -310,9 +331,11 @@ class GrantTable:
                     f"token {_short(token)} of request {request_id!r} is (or was) another "
                     f"grant's"
                 )
-            expires_at = self._clock.now() + min(lease, self._max_lease_s)
+            now = self._clock.now()
+            expires_at = now + min(lease, self._max_lease_s)
             grant = Grant(token, request_id, ids, expires_at, num_expected_readers, prompt_digest)
-            self._entries[token] = _Entry(grant, block_set)
+            self._entries[token] = _Entry(grant, block_set,
+                                          latest_expiry=now + self._max_lease_s)
             if self._board is not None:
                 self._board.publish(token, ids, expires_at - self._clock.now(), prompt_digest)
             self._token_by_request[request_id] = token
@@ -367,23 +390,38 @@ class GrantTable:
             if entry.closing is not None and entry.num_active_reads == 0:
                 self._release(entry, entry.closing)
 
-    def renew(self, token: str, lease_s: float) -> float:
-        """Extend a live grant's lease to ``now + lease_s`` (never shortens it).
+    def renew(self, token: str, lease_s: float, *, until: float) -> float:
+        """Extend a live grant's lease, for a read of it in flight, to ``now + lease_s``.
+
+        Never shortens the lease; never moves it past ``until`` (the deadline of
+        the read that asked, in this table's clock) nor past ``max_lease_s``
+        after the grant was issued. A renewal bounded so may extend nothing.
 
         Returns:
-            The new ``expires_at``, at most ``now + max_lease_s``.
+            The grant's ``expires_at`` after the call.
 
         Raises:
             ConfigError: ``lease_s`` is not finite and > 0.
-            UnknownGrantError, ExpiredGrantError: as for ``validate_read``.
+            UnknownGrantError, ExpiredGrantError: as for ``validate_read``
+                (checked first: a grant that is gone says so).
+            NoReadInFlightError: no read of the grant is pinned (``begin_read``);
+                the lease is unchanged.
         """
         _check_lease(lease_s)
         with self._lock:
             now = self._clock.now()
             entry = self._live_entry(token, now)
-            expires_at = max(entry.grant.expires_at, now + min(lease_s, self._max_lease_s))
-            if expires_at != entry.grant.expires_at:
-                entry.grant = replace(entry.grant, expires_at=expires_at)
+            g = entry.grant
+            if entry.num_active_reads == 0:
+                raise NoReadInFlightError(
+                    f"grant of request {g.request_id!r} has no read in flight: its lease is "
+                    f"renewed only while a read of it is served (it ends in "
+                    f"{g.expires_at - now:.3f}s as issued or last renewed)"
+                )
+            bound = min(now + min(lease_s, self._max_lease_s), until, entry.latest_expiry)
+            expires_at = max(g.expires_at, bound)
+            if expires_at != g.expires_at:
+                entry.grant = replace(g, expires_at=expires_at)
                 self._push_expiry(expires_at, token)
                 if self._board is not None:
                     self._board.renew(token, expires_at - now)
@@ -562,6 +600,9 @@ class GrantTable:
             if e.closing is None and expected is not None and len(e.reader_failed) >= expected:
                 raise IntegrityError(f"grant {g.request_id!r}: {len(e.reader_failed)} of "
                                      f"{expected} readers reported, not released")
+            if g.expires_at > e.latest_expiry:
+                raise IntegrityError(f"grant {g.request_id!r} expires at {g.expires_at}, past "
+                                     f"its latest {e.latest_expiry}")
             if e.closing is None and (g.expires_at, token) not in heap_items:
                 raise IntegrityError(f"grant {g.request_id!r}: expiry {g.expires_at} not queued")
             if token in self._tombstones:

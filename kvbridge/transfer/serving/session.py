@@ -10,11 +10,16 @@ Serving one read (``ReadRequest`` with a grant)::
 
     check heads/layers/chunking (checks.py) -> wait (<= grant_wait_s) for a grant
     not issued yet -> fix its reader count from the Hello's topology
-    -> grants.begin_read (pins it) -> send, one way of three:
+    -> grants.begin_read (pins it; the read's deadline: checks.read_budget_s)
+    -> send, one way of three, ended by that deadline at the latest:
          staged.py      DataHeader, then per credited chunk: pack, send
          direct.py      every chunk straight from the cache blocks
          copy_hold.py   CopyGo: the reader on this host copies the blocks itself
     -> grants.end_read
+
+While the read is served (and only then) the reader may renew the grant's
+lease for it (``RenewLease`` naming its xfer id), never past its deadline
+(``_renew``).
 
 A direct read or same-host copy of a grant already issued, the usual case, is
 served without a task: the dispatcher checks it and starts it as it decodes the
@@ -32,13 +37,19 @@ import asyncio
 import logging
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import recv_msg, reject, send_msg, serve_handshake
 from kvbridge.transfer.serving import grants as grant_errors
-from kvbridge.transfer.serving.checks import grant_reason, num_chunks, pin, problem
+from kvbridge.transfer.serving.checks import (
+    grant_reason,
+    num_chunks,
+    pin,
+    problem,
+    read_budget_s,
+)
 from kvbridge.transfer.serving.context import (
-    ReadCredit,
+    ServedRead,
     ServerContext,
     Session,
     await_grant,
@@ -98,7 +109,7 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                 case wire.ReadRequest():
                     if msg.xfer_id in reads:
                         raise ProtocolError(f"xfer id {msg.xfer_id} reused while in flight")
-                    reads[msg.xfer_id] = ReadCredit()
+                    reads[msg.xfer_id] = ServedRead(msg.grant)
                     if not _start_at_once(ctx, conn, msg, session, num_readers):
                         task = asyncio.create_task(
                             _serve_read(ctx, conn, msg, session, num_readers)
@@ -124,8 +135,8 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     )
                     ctx.reports.add(report)
                     report.add_done_callback(ctx.reports.discard)
-                case wire.RenewLease(grant=token, lease_s=lease_s, xfer_id=xfer_id):
-                    await _renew(ctx, conn, token, lease_s, xfer_id)
+                case wire.RenewLease():
+                    await _renew(ctx, conn, session, msg)
                 case wire.Ping(seq=seq):
                     await send_msg(conn, ctx.codec, wire.Pong(seq), cfg.reply_timeout_s)
                 case wire.Bye():
@@ -159,15 +170,29 @@ async def _reader_done(
 
 
 async def _renew(
-    ctx: ServerContext, conn: UcxConnection, token: str, lease_s: float, xfer_id: int
+    ctx: ServerContext, conn: UcxConnection, session: Session, msg: wire.RenewLease
 ) -> None:
-    """Renew ``token`` for the reader's read ``xfer_id``; the answer names that read.
+    """Renew the grant for the reader's read ``msg.xfer_id``; the answer names that read.
 
-    A refusal (grant unknown, expired or being released) fails that read alone
-    on the reader's side, never the connection (``Reject(renewal=True)``).
+    Only for a read of that grant this session serves, its grant pinned, and
+    never past that read's deadline (``GrantTable.renew``): a reader that is not
+    reading, or copies on the grant board's word (the server never hears of
+    such copies), cannot keep the blocks held. A refusal never ends the
+    connection (``Reject(renewal=True)``): a grant that is gone (unknown,
+    expired, being released; checked first) fails that read on the reader's
+    side; ``NO_READ`` extends nothing and leaves the read to its own outcome.
     """
+    token, xfer_id = msg.grant, msg.xfer_id
+    read = session.reads.get(xfer_id)
     try:
-        expires_at = ctx.grants.renew(token, lease_s)
+        # ``read.token`` came from this same peer: comparing it with == leaks nothing.
+        if read is None or read.deadline is None or read.token != token:
+            ctx.grants.validate_read(token, ())  # a grant that is gone says so first
+            raise grant_errors.NoReadInFlightError(
+                f"this connection serves no read {xfer_id} of the grant: a lease is renewed "
+                f"only for a read in flight, up to that read's deadline"
+            )
+        expires_at = ctx.grants.renew(token, msg.lease_s, until=read.deadline)
     except grant_errors.GrantError as exc:
         await reject(conn, ctx.codec, grant_reason(exc), str(exc), xfer_id, renewal=True)
         return
@@ -188,7 +213,8 @@ async def _serve_read(
         return
     token = req.grant
     await await_grant(ctx, token, num_readers)
-    refusal = pin(ctx, token, req)
+    read = reads[req.xfer_id]
+    refusal = pin(ctx, token, req, read)
     if refusal is not None:
         reads.pop(req.xfer_id, None)
         if refusal[0] is R.PROMPT_MISMATCH:
@@ -210,7 +236,7 @@ async def _serve_read(
         if req.direct:
             await send_direct(ctx, conn, req)
         else:
-            await send_chunks(ctx, conn, req, reads[req.xfer_id])
+            await _send_staged(ctx, conn, req, read)
         ctx.num_reads_served += 1
     except TransferError as exc:
         logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
@@ -218,6 +244,24 @@ async def _serve_read(
     finally:
         ctx.grants.end_read(token)
         reads.pop(req.xfer_id, None)
+
+
+async def _send_staged(
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, read: ServedRead
+) -> None:
+    """``send_chunks`` within the read's budget (each wait of it has its own deadline too).
+
+    Raises:
+        PeerTimeoutError: the read outlived its budget (``read_budget_s``).
+        TransferError: as ``send_chunks``.
+    """
+    budget_s = read_budget_s(ctx.config, req)
+    try:
+        async with asyncio.timeout(budget_s):
+            await send_chunks(ctx, conn, req, read)
+    except TimeoutError:
+        raise PeerTimeoutError(f"staged read {req.xfer_id} not done in its {budget_s:.1f}s "
+                               f"({num_chunks(req)} chunks x chunk_timeout_s)") from None
 
 
 def _start_at_once(
@@ -242,7 +286,7 @@ def _start_at_once(
     if not ctx.grants.is_known(token):
         return False
     fix_readers(ctx, token, num_readers)
-    if pin(ctx, token, req) is not None:
+    if pin(ctx, token, req, session.reads[req.xfer_id]) is not None:
         return False
     if req.local_copy:
         CopyHold(ctx, conn, req, token, session)

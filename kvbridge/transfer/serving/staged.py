@@ -23,14 +23,14 @@ from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import send_msg
 from kvbridge.transfer.serving.checks import block_nbytes, num_chunks
-from kvbridge.transfer.serving.context import ReadCredit, ServerContext
+from kvbridge.transfer.serving.context import ServedRead, ServerContext
 from kvbridge.transfer.ucx.connection import UcxConnection
 
 __all__ = ["send_chunks"]
 
 
 async def send_chunks(
-    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, state: ReadCredit
+    ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, state: ServedRead
 ) -> None:
     """Send ``req``'s blocks packed, chunk by chunk as the reader's credit allows.
 
