@@ -181,18 +181,23 @@ def test_bad_grant_is_rejected(agents: tuple[AgentRef, AgentRef], case: str) -> 
     good_read_works(server, reader)
 
 
-def test_direct_read_to_a_stalled_reader_ends_at_its_send_deadline() -> None:
+@pytest.mark.parametrize("config", [{"chunk_timeout_s": 1.0},
+                                    {"chunk_timeout_s": 60.0, "read_timeout_s": 1.0}],
+                         ids=["chunk_timeout", "read_timeout"])
+def test_direct_read_to_a_stalled_reader_ends_at_its_send_deadline(
+    config: dict[str, float],
+) -> None:
     """A direct read is served by callbacks, not a task; its deadline must still end it.
 
     The reader asks for more than a shared-memory FIFO holds and then makes no
     UCX progress, connection open: the server's sends stall and no error ever
     comes. The send deadline must end the read (unpinning the grant) so that
     the lease releases the blocks, once, while the reader still stalls; then a
-    good reader is served.
+    good reader is served. The deadline is ``chunk_timeout_s`` per chunk, and
+    never more than ``read_timeout_s``: a read pins its grant that long at most.
     """
     p_host, d_host = Host(), Host()
     try:
-        config = {"chunk_timeout_s": 1.0}
         server = p_host.add(replace(P_SPEC, engine_id="p-stall", port=free_port_base(1),
                                     config=config))
         reader = d_host.add(replace(D_SPEC, port=free_port_base(1)))

@@ -232,8 +232,10 @@ async def open_link(server: Server, reader: Reader) -> tuple[PeerLink, RemoteRea
     return link, plan.items[0]
 
 
-#: A SLOW staged read's deadline on the server: chunk_timeout_s and the test delay per chunk.
-READ_BUDGET_S = len(BLOCKS) * (FAST["chunk_timeout_s"] + SLOW["test_chunk_delay_s"])
+#: A SLOW staged read's deadline on the server: chunk_timeout_s per chunk, but at most
+#: read_timeout_s (6 x 5 s > 20 s), and the test delay per chunk.
+READ_BUDGET_S = (min(len(BLOCKS) * FAST["chunk_timeout_s"], FAST["read_timeout_s"])
+                 + len(BLOCKS) * SLOW["test_chunk_delay_s"])
 
 
 def test_a_lease_is_renewed_only_for_a_read_of_its_grant_in_flight() -> None:

@@ -4,7 +4,8 @@ For reads whose blocks both caches store alike (``blocks/ranges.py``): no
 staging, no pack, no credit. The reader posts every chunk's receive right
 after asking, long before they land (and UCX keeps one that comes first until
 its receive is posted), so every chunk is posted at once, under one deadline of
-``chunk_timeout_s`` per chunk. Two ways in, chosen by ``session.py``:
+``chunk_timeout_s`` per chunk (``read_timeout_s`` at most: ``checks.send_budget_s``).
+Two ways in, chosen by ``session.py``:
 
 - ``DirectSends``: the usual case, a grant already issued: the dispatcher
   posts every chunk as it decodes the request, and callbacks unpin the grant
@@ -29,7 +30,7 @@ from kvbridge.transfer.blocks.ranges import block_ranges, head_span
 from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, TransferError
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.serving.checks import direct_nbytes
+from kvbridge.transfer.serving.checks import direct_nbytes, send_budget_s
 from kvbridge.transfer.serving.context import ServedRead, ServerContext
 from kvbridge.transfer.ucx.connection import UcxConnection, ignore_outcome
 from kvbridge.transfer.ucx.iov import post_send_iov
@@ -45,7 +46,7 @@ class DirectSends:
     """One direct read served by callbacks: chunks posted, then one deadline for all.
 
     Ends exactly once, by the sends completing or failing or by the deadline
-    (``chunk_timeout_s`` per chunk, which aborts the connection); then the grant
+    (``checks.send_budget_s``, which aborts the connection); then the grant
     is unpinned and the read forgotten. The caller pinned the grant.
     """
 
@@ -70,7 +71,7 @@ class DirectSends:
         all_sent: asyncio.Future[Any] = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
         all_sent.add_done_callback(self._sent)
         self._timer = asyncio.get_running_loop().call_later(
-            ctx.config.chunk_timeout_s * len(sends), self._late
+            send_budget_s(ctx.config, req), self._late
         )
 
     def _sent(self, all_sent: asyncio.Future[Any]) -> None:
@@ -103,7 +104,7 @@ async def send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadReq
     """Send each chunk as one message straight from the cache blocks.
 
     Every chunk is posted at once, then awaited under one deadline of
-    ``chunk_timeout_s`` per chunk. ``DirectSends`` is the same without a task;
+    ``checks.send_budget_s``. ``DirectSends`` is the same without a task;
     this one runs after waiting for a grant and honours the test delay. The
     grant is pinned by the caller, who unpins it when this returns or raises.
 
@@ -119,7 +120,7 @@ async def send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadReq
                 await asyncio.sleep(cfg.test_chunk_delay_s)
             sends.append(_post_chunk(ctx, conn, iov, channel))
         all_sent = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
-        await conn.wait(all_sent, timeout_s=cfg.chunk_timeout_s * len(sends), what="iov send")
+        await conn.wait(all_sent, timeout_s=send_budget_s(cfg, req), what="iov send")
     finally:
         for sent in sends:
             if not sent.done():

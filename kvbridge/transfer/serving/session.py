@@ -261,7 +261,8 @@ async def _send_staged(
             await send_chunks(ctx, conn, req, read)
     except TimeoutError:
         raise PeerTimeoutError(f"staged read {req.xfer_id} not done in its {budget_s:.1f}s "
-                               f"({num_chunks(req)} chunks x chunk_timeout_s)") from None
+                               f"({num_chunks(req)} chunks x chunk_timeout_s, at most "
+                               f"read_timeout_s)") from None
 
 
 def _start_at_once(
