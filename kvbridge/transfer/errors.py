@@ -16,8 +16,8 @@ Hierarchy::
         ProtocolError         malformed, truncated, oversized or unexpected bytes
         RejectedError         the peer refused us with a reason code
           LeaseRefusedError   ... a lease renewal (fails the read that asked)
-            NoReadServedError ... one naming no read the server serves (ends the
-                                  renewals only)
+            NoReadServedError ... one naming no read the server serves (no
+                                  verdict on the read)
         ReplyPendingError     a second wait for a reply already awaited on a link
       ConfigError
         MissingPortError      a read needs a remote rank its per-rank port list lacks
@@ -73,9 +73,9 @@ class NoReadServedError(LeaseRefusedError):
 
     A lease is renewed only while the server serves a read of the grant (see
     ``serving/grants.py``). The server's half of the read has ended (its sends
-    are done, or the read failed there), or it never had one (a same-host copy
-    on the grant board's word, which the server does not hear of). Ends the
-    renewals, not the read: the read's own data says whether it succeeded.
+    are done, or the read failed there), has not pinned the grant yet, or never
+    existed (a same-host copy on the grant board's word, which the server does
+    not hear of). No verdict on the read: its own data says whether it succeeded.
     """
 
 

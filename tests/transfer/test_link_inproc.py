@@ -315,8 +315,8 @@ RENEWALS: list[int] = []
 
 async def _staged_read_with_refused_renewals(conn: UcxConnection, codec: wire.MessageCodec,
                                              msg: wire.Message) -> None:
-    """Serve one staged read of one block, its chunk only after a renewal was refused
-    as ``no_read`` (a server whose half of the read is over, or never began)."""
+    """Serve one staged read of one block, its chunk only after renewals were refused
+    as ``no_read`` (a server whose half of the read is over, or not pinned yet)."""
     match msg:
         case wire.ReadRequest(xfer_id=xfer_id, block_ids=ids):
             header = wire.DataHeader(xfer_id, 1, len(ids) * BLOCK_NBYTES * LAYERS)
@@ -325,31 +325,25 @@ async def _staged_read_with_refused_renewals(conn: UcxConnection, codec: wire.Me
             RENEWALS.append(xfer_id)
             refused = wire.Reject(R.NO_READ, "no such read", xfer_id, renewal=True)
             await conn.send_frame(codec.encode(refused), timeout_s=5.0)
-            if len(RENEWALS) == 1:  # the chunk later, while further renewals (if any) come
-                SENDS.append(asyncio.create_task(_send_chunk_later(conn, xfer_id)))
+            if len(RENEWALS) == 2:  # the reader took the first refusal in and asked again
+                chunk = np.arange(BLOCK_NBYTES * LAYERS, dtype=np.uint8)
+                await conn.send(chunk, wire.channel_of(xfer_id, 0), timeout_s=5.0)
         case _:
             pass
 
 
-SENDS: list[asyncio.Task[None]] = []
-
-
-async def _send_chunk_later(conn: UcxConnection, xfer_id: int) -> None:
-    await asyncio.sleep(0.3)  # the reader takes the refusal in first, and renews again if it will
-    chunk = np.arange(BLOCK_NBYTES * LAYERS, dtype=np.uint8)
-    await conn.send(chunk, wire.channel_of(xfer_id, 0), timeout_s=5.0)
-
-
-def test_a_renewal_refused_as_no_read_ends_the_renewals_not_the_read() -> None:
+def test_a_renewal_refused_as_no_read_fails_no_read() -> None:
+    """``no_read`` is no verdict on the read (unlike ``expired_grant``, which fails it
+    when it ends): the read lands, and the reader renews again next round (a server
+    that had not pinned the grant yet may renew then)."""
     RENEWALS.clear()
-    SENDS.clear()
 
     async def run() -> None:
         cfg = {"direct_reads": False, "renew_every_s": 0.05}
         async with fake_server_reader(_staged_read_with_refused_renewals, cfg) as reader:
             reader.submit("moot", "some-grant-token-00", [3], [5])
             stats = await reader.outcome("moot")
-            assert stats.ok, stats  # its data came: the refusal is no verdict on it
-            assert len(RENEWALS) == 1, RENEWALS  # and no renewal after the refusal
+            assert stats.ok, stats  # its data came: the refusals failed nothing
+            assert len(RENEWALS) >= 2 and len(set(RENEWALS)) == 1, RENEWALS
 
     asyncio.run(run())

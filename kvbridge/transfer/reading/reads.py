@@ -24,8 +24,9 @@ same-host copy on the grant board's word is not served: it renews nothing, see
 ``same_host.py``). If the server refuses because the grant expired, was revoked
 or released meanwhile, that read fails with ``LeaseRefusedError`` once it ends;
 other reads on the link are not touched. If it refuses because it serves no such
-read (``NoReadServedError``: its half of the read ended first), the renewals end
-and the read's own data decides.
+read (``NoReadServedError``: its half of the read ended first, or has not pinned
+the grant yet), that renewal extended nothing and the read goes on (its own data
+decides), renewing again ``renew_every_s`` later.
 
 When the job's plan is cached, has one item and its link is live (every read
 from a peer after the first, with TP alike or D's TP a multiple of P's),
@@ -400,10 +401,11 @@ class Reads:
         while the server serves it (``begun.asked``: else that round is skipped).
 
         Raises:
-            LeaseRefusedError: the server refused; the read fails when it ends
-                (``_refusal``). Any other failure ends the renewals only: a dead
-                link fails the read by itself, and a ``NoReadServedError`` means
-                the server's half of the read is over (nothing to renew).
+            LeaseRefusedError: the server refused (the grant is gone); the read
+                fails when it ends (``_refusal``). A ``NoReadServedError`` is no
+                verdict on the read (the server's half of it is over, or not
+                pinned yet): the next round asks again. Any other failure ends
+                the renewals only: a dead link fails the read by itself.
         """
         cfg = self._ctx.config
         xfer_id = begun.request.xfer_id
@@ -413,8 +415,7 @@ class Reads:
                     remaining = await link.renew(grant, cfg.lease_s, xfer_id)
                     logger.debug("renewed grant of read %d for %.1fs", xfer_id, remaining)
             except NoReadServedError as exc:
-                logger.debug("lease renewal of read %d moot: %s", xfer_id, exc)
-                return
+                logger.debug("lease renewal of read %d extended nothing: %s", xfer_id, exc)
             except LeaseRefusedError as exc:
                 logger.info("lease renewal of read %d refused: %s", xfer_id, exc)
                 raise
