@@ -43,7 +43,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         handshake_timeout_s: each handshake message.
         reply_timeout_s: a control reply (data header, lease renewal, pong).
         chunk_timeout_s: one data chunk, from credit to arrival.
-        read_timeout_s: a whole request's read, all ranks together.
+        read_timeout_s: a whole request's read, all ranks together; as a server,
+            the longest it serves one read (and so pins its grant).
         heartbeat_s: a reader pings an idle link this often; a link silent for
             ``3 * heartbeat_s`` is dead.
         server_idle_timeout_s: a server drops a connection silent this long.
@@ -52,8 +53,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         num_read_slots: reads staged at once (each holds ``window_chunks`` buffers).
         num_serve_buffers: chunk buffers shared by all reads this agent serves.
         max_frame_nbytes: largest control frame accepted.
-        lease_s: lease asked for when renewing a grant during a long read.
-        renew_every_s: how often a long read renews its grant.
+        lease_s: lease asked for when renewing a grant during a long read (the
+            server grants it up to that read's deadline on its side at most;
+            as a server: the default lease of its grants, ten times it their
+            longest life, renewals included).
+        renew_every_s: how often a long read renews its grant (a read the
+            server serves only: not a same-host copy on the grant board's word).
         expire_every_s: how often the server expires grants while it holds any
             (holding none, it sleeps until one is issued).
         grant_wait_s: how long the server waits for a grant it has not issued yet
