@@ -84,9 +84,11 @@ Progress = Callable[[str, int, int], None]
 
 CONNECTORS: dict[str, dict[str, Any] | None] = {
     "colocated": None,
+    # recompute: a load late for its deadline is recomputed, so small loads are
+    # synchronous (under vLLM's default "fail" every load is asynchronous)
     "kvbridge": {"kv_connector": "KVBridgeConnector",
                  "kv_connector_module_path": "kvbridge.integrations.vllm",
-                 "kv_role": "kv_both"},
+                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute"},
     "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
 }
 CONNECTORS["kvbridge-classic"] = CONNECTORS["kvbridge"]

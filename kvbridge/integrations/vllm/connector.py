@@ -41,7 +41,11 @@ from kvbridge.integrations.vllm.facts import engine_facts
 from kvbridge.integrations.vllm.groups import cache_groups
 from kvbridge.integrations.vllm.messages import StepMetadata
 from kvbridge.integrations.vllm.scheduler_side import VllmSchedulerSide
-from kvbridge.integrations.vllm.settings import for_data_parallel_rank, parse_settings
+from kvbridge.integrations.vllm.settings import (
+    for_data_parallel_rank,
+    for_failure_policy,
+    parse_settings,
+)
 from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm.worker_side import VllmWorkerSide
 
@@ -84,7 +88,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None  # the base class checked
-        settings = parse_settings(transfer_config.kv_connector_extra_config)
+        settings = for_failure_policy(
+            parse_settings(transfer_config.kv_connector_extra_config),
+            transfer_config.kv_load_failure_policy)
         facts = engine_facts(vllm_config, settings.model_id)
         settings = for_data_parallel_rank(
             settings, vllm_config.parallel_config.data_parallel_rank,

@@ -203,7 +203,7 @@ class VllmSchedulerSide:
         num_blocks = -(-(num_computed_tokens + num_tokens) // block_size) - (
             num_computed_tokens // block_size)
         nbytes = num_blocks * block_size * self.facts.kv_bytes_per_token
-        if nbytes > self.settings.sync_load_max_bytes:
+        if nbytes > (self.settings.sync_load_max_bytes or 0):
             return num_tokens, True
         self._sync.add(request.request_id)
         return num_tokens, False

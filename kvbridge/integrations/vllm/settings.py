@@ -29,7 +29,11 @@ from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.protocol.cluster_secret import cluster_secret, is_loopback
 from kvbridge.transfer.protocol.security import load_cluster_secret
 
-__all__ = ["VllmSettings", "for_data_parallel_rank", "parse_settings"]
+__all__ = ["SYNC_LOAD_MAX_BYTES", "VllmSettings", "for_data_parallel_rank",
+           "for_failure_policy", "parse_settings"]
+
+#: ``sync_load_max_bytes`` where a late synchronous load is recomputed, not failed.
+SYNC_LOAD_MAX_BYTES = 4 << 20
 
 _FIX = ('set "secret_file" in kv_connector_extra_config (or $KVBRIDGE_SECRET in every '
         'instance\'s environment), or "insecure": true')
@@ -79,7 +83,11 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             two engine steps sooner; that step's forward waits for the read
             (about a millisecond per MiB on one host). Larger loads run
             asynchronously while other requests keep stepping. 0: every load
-            asynchronous.
+            asynchronous. Default (None): 4 MiB when D's
+            ``kv_load_failure_policy`` is ``recompute``, where a load late for
+            its deadline costs a small local recompute; 0 under vLLM's default
+            ``fail``, where it would fail a request whose read was merely slow
+            (:func:`for_failure_policy`). Set it under ``fail`` to accept that.
         sync_load_deadline_s: the forward waits at most this long for the
             step's synchronous loads (default 0.25 s); a load still running
             then counts as failed and its blocks are recomputed (or the
@@ -101,7 +109,7 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_held_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     host_buffer: bool = False
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.02
-    sync_load_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 << 20
+    sync_load_max_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
     sync_load_deadline_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.25
     model_id: str | None = None
     agent: dict[str, Any] = {}
@@ -120,7 +128,7 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             # synchronous loads' sizes (larger ones go to the agent's own threads)
             return AgentConfig.from_options({
                 "lease_s": self.lease_s, "listen_host": self.listen_host or self.host,
-                "inline_copy_max_nbytes": self.sync_load_max_bytes, **self.agent})
+                "inline_copy_max_nbytes": self.sync_load_max_bytes or 0, **self.agent})
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.agent: {exc}") from None
 
@@ -163,6 +171,22 @@ def parse_settings(extra_config: object) -> VllmSettings:
             and load_cluster_secret(secret_file=settings.secret_file) is None):
         settings.secret()  # raises, naming the fix, before vLLM builds anything more
     return settings
+
+
+def for_failure_policy(settings: VllmSettings, policy: str) -> VllmSettings:
+    """The settings with ``sync_load_max_bytes`` set for D's ``kv_load_failure_policy``.
+
+    A synchronous load still running at ``sync_load_deadline_s`` counts as a
+    failed load. Under ``recompute`` that costs a local recompute of a small
+    prompt; under ``fail`` (vLLM's default) it would end a request in an error
+    because P or the machine was slow for a moment. So, unless the deployment
+    set ``sync_load_max_bytes``, loads are synchronous (up to
+    ``SYNC_LOAD_MAX_BYTES``) only under ``recompute``.
+    """
+    if settings.sync_load_max_bytes is not None:
+        return settings
+    nbytes = SYNC_LOAD_MAX_BYTES if policy == "recompute" else 0
+    return msgspec.structs.replace(settings, sync_load_max_bytes=nbytes)
 
 
 def for_data_parallel_rank(settings: VllmSettings, dp_rank: int, world_size: int) -> VllmSettings:

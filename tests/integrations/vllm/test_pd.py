@@ -125,7 +125,6 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     prompt = prompt_ids(num_prompt_tokens)
     [expected] = reference(vllm_servers, ref_spec, [prompt])
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
-    warm_up(p.base_url, d.base_url)
     result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
     assert result.completion.token_ids == expected
     # P announces where its (only) worker listens: its own port, not a base
@@ -134,7 +133,9 @@ def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     assert params["remote_block_size"] == BLOCK_SIZE
     # D loaded everything but the last prompt token, whose logits it computes itself
     num_blocks = -(-(num_prompt_tokens - 1) // BLOCK_SIZE)
-    assert (result.num_transfers, result.num_failures, result.num_sync_loads) == (1, 0, 1)
+    # vLLM's default failure policy "fail": every load asynchronous (a late synchronous
+    # one would fail the request)
+    assert (result.num_transfers, result.num_failures, result.num_sync_loads) == (1, 0, 0)
     assert result.external_hits == num_prompt_tokens - 1
     assert result.nbytes == num_blocks * BLOCK_NBYTES
     # P gives its blocks back once D has read them; D's are free once answered

@@ -7,7 +7,6 @@ flow, P's own colocated answer as the reference.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from tests.integrations.vllm.conftest import TinyModelFactory
 from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     NUM_NEW_TOKENS,
-    ZERO_CONFIG,
+    kv_config,
     pd_complete,
     prompt_ids,
     wait_usage,
@@ -34,9 +33,10 @@ def test_moe_pd_answers_equal_colocated(
     vllm_servers: ServersForTest, tiny_model_factory: TinyModelFactory,
 ) -> None:
     model: Path = tiny_model_factory("float32", initializer_range=0.2, kind="moe")
+    # policy recompute: small loads are synchronous (a late one would be recomputed)
     p, d = vllm_servers.private_all(*(ServerSpec(
         model, dtype="float32", block_size=BLOCK_SIZE,
-        kv_transfer_config=json.dumps(ZERO_CONFIG), instance=name) for name in ("p", "d")))
+        kv_transfer_config=kv_config("recompute"), instance=name) for name in ("p", "d")))
     for num_tokens in (5, BLOCK_SIZE, 700):
         prompt = prompt_ids(num_tokens, seed=80)
         expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids

@@ -8,8 +8,10 @@ import pytest
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.settings import (
+    SYNC_LOAD_MAX_BYTES,
     VllmSettings,
     for_data_parallel_rank,
+    for_failure_policy,
     parse_settings,
 )
 
@@ -99,9 +101,15 @@ def test_a_reachable_host_needs_a_secret_or_insecure(tmp_path: Path,
 def test_holds_and_synchronous_loads_are_bounded_by_default() -> None:
     settings = parse_settings({})
     assert settings.max_held_share == 0.5 and settings.sync_load_deadline_s < 1
+    # synchronous loads by default only where a late one is recomputed, not failed
+    recompute = for_failure_policy(settings, "recompute")
+    assert recompute.sync_load_max_bytes == SYNC_LOAD_MAX_BYTES
+    assert for_failure_policy(settings, "fail").sync_load_max_bytes == 0
+    chosen = parse_settings({"sync_load_max_bytes": 1 << 20})
+    assert for_failure_policy(chosen, "fail").sync_load_max_bytes == 1 << 20
     # nothing larger than a synchronous load is copied on vLLM's forward thread
-    assert settings.agent_config().inline_copy_max_nbytes == settings.sync_load_max_bytes
-    assert parse_settings({"sync_load_max_bytes": 0}).agent_config().inline_copy_max_nbytes == 0
+    assert recompute.agent_config().inline_copy_max_nbytes == SYNC_LOAD_MAX_BYTES
+    assert for_failure_policy(settings, "fail").agent_config().inline_copy_max_nbytes == 0
     for bad in ({"max_held_share": 0}, {"max_held_share": 1.5}, {"sync_load_deadline_s": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_settings(bad)
