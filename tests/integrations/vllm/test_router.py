@@ -91,6 +91,16 @@ def d_spec(tiny_llama_fp32: Path) -> ServerSpec:
                 kv_transfer_config=kv_config(sync_load_max_bytes=0))
 
 
+@pytest.fixture
+def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path, p_spec: ServerSpec,
+            d_spec: ServerSpec) -> tuple[VllmServer, VllmServer, VllmServer]:
+    """P, D and the second P, asked for together by every test here: the pool then
+    keeps the second P (running already when the package runs whole) while it
+    starts the other two, and stops none of them between these tests."""
+    p, d, p2 = vllm_servers.shared_all(p_spec, d_spec, spec(tiny_llama_fp32))
+    return p, d, p2
+
+
 @pytest.fixture(scope="module", autouse=True)
 def router_installed() -> None:
     """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) if vllm-router is not installed
@@ -195,9 +205,9 @@ def d_loaded(d_url: str, before: dict[str, float], prompt_lengths: list[int]) ->
 
 
 def test_completions_through_vllm_router_equal_colocated_streamed_or_not(
-    vllm_servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec, tmp_path: Path
+    servers: tuple[VllmServer, VllmServer, VllmServer], tmp_path: Path
 ) -> None:
-    p, d = vllm_servers.shared_all(p_spec, d_spec)
+    p, d, _ = servers
     model = str(p.spec.model)
     # random tokens: no two prompts share a block, so D's prefix cache never answers
     prompts = [prompt_ids(n, seed=40 + i) for i, n in enumerate((5, 300, 700, 9, 260, 1100))]
@@ -214,9 +224,9 @@ def test_completions_through_vllm_router_equal_colocated_streamed_or_not(
 
 
 def test_chat_completions_through_vllm_router_equal_colocated_streamed_or_not(
-    vllm_servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec, tmp_path: Path
+    servers: tuple[VllmServer, VllmServer, VllmServer], tmp_path: Path
 ) -> None:
-    p, d = vllm_servers.shared_all(p_spec, d_spec)
+    p, d, _ = servers
     model = str(p.spec.model)
     texts = [f"{i} " + " ".join(f"word{(i * 31 + j) % 97}" for j in range(n))
              for i, n in enumerate((3, 150, 400, 5, 200))]
@@ -233,9 +243,9 @@ def test_chat_completions_through_vllm_router_equal_colocated_streamed_or_not(
 
 
 def test_requests_at_once_through_vllm_router(
-    vllm_servers: ServersForTest, p_spec: ServerSpec, d_spec: ServerSpec, tmp_path: Path
+    servers: tuple[VllmServer, VllmServer, VllmServer], tmp_path: Path
 ) -> None:
-    p, d = vllm_servers.shared_all(p_spec, d_spec)
+    p, d, _ = servers
     model = str(p.spec.model)
     prompts = [prompt_ids(n, seed=50 + i)
                for i, n in enumerate((7, 90, 130, 256, 300, 511, 800, 1200))]
@@ -251,12 +261,11 @@ def test_requests_at_once_through_vllm_router(
 
 
 def test_two_prefill_servers_behind_vllm_router(
-    vllm_servers: ServersForTest, tiny_llama_fp32: Path, p_spec: ServerSpec,
-    d_spec: ServerSpec, tmp_path: Path,
+    servers: tuple[VllmServer, VllmServer, VllmServer], tmp_path: Path
 ) -> None:
     """2P1D: the router sends prefills to both Ps in turn; D reads each prompt from the
     P that computed it (each P signs its own params; one host secret)."""
-    p2, p, d = vllm_servers.shared_all(spec(tiny_llama_fp32), p_spec, d_spec)
+    p, d, p2 = servers
     model = str(p.spec.model)
     prompts = [prompt_ids(n, seed=60 + i) for i, n in enumerate((140, 300, 520, 700))]
     expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
