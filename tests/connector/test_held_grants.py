@@ -6,8 +6,11 @@ these tests pin the part's own contract (what it queues, counts and returns).
 
 from __future__ import annotations
 
+import json
+
 from kvbridge.connector.binding import kv_digest
 from kvbridge.connector.held_grants import HeldGrants
+from kvbridge.connector.params import check_signature, params_key, parse_kv_transfer_params
 from kvbridge.topology import EngineTopology, KVLayout
 from tests.connector.helpers import NOW, Req
 
@@ -93,3 +96,34 @@ def test_a_hold_that_cannot_fit_under_the_cap_is_not_made() -> None:
     assert (grants.num_held_requests, grants.num_evicted) == (1, 0)
     assert grants.hold(Req("c", prompt[:48]), [4, 5, 6]) is not None  # now "a" may go
     assert grants.dispatch()[1] == ["a"]
+
+
+def serde_json_float(text: str) -> float:
+    """A float read as serde_json (Rust; vllm-router) reads it without its
+    ``float_roundtrip`` feature: all digits as one integer, made a float (rounded
+    past 2**53), then scaled by a power of ten (rounded again)."""
+    mantissa, _, exponent = text.lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    scale = int(exponent or 0) - len(fraction)
+    value = float(int(whole + fraction))
+    return value * 10.0 ** scale if scale >= 0 else value / 10.0 ** -scale
+
+
+def test_params_still_verify_after_a_router_reads_and_rewrites_them() -> None:
+    """vllm-router parses P's answer and writes D's request anew: with expires_at at
+    full float precision, about 1 in 9 came back 1 ULP off and D refused them as
+    bad_signature. P's expires_at is whole seconds, which every JSON parser reads exactly."""
+    key = params_key(b"s" * 32)
+    changed = 0
+    for i in range(200):
+        now = NOW + i * 0.7071067811865476  # clocks with all 17 digits in play
+        changed += serde_json_float(repr(now + 30.0)) != now + 30.0
+        grants = HeldGrants("me", "10.0.0.2", 7000, holder().topology, BS, lease_s=30.0,
+                            clock=lambda now=now: now, params_key=key)
+        params = grants.hold(Req(f"r{i}", list(range(40))), [5, 6, 7])
+        assert params is not None and params.expires_at is not None
+        assert now + 29.0 < params.expires_at <= now + 30.0
+        relayed = json.loads(json.dumps(params.to_json_dict()), parse_float=serde_json_float)
+        parsed = parse_kv_transfer_params(json.loads(json.dumps(relayed)))
+        assert parsed is not None and check_signature(parsed, key) is None, params.expires_at
+    assert changed > 10  # the premise: such a router changes full-precision floats
