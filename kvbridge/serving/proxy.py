@@ -254,21 +254,21 @@ class PDProxy:
                        request_id: str, api: Api) -> Response:
         """Each choice P -> D on its own, all at once; one answer (``fan_out.py``).
 
-        Any unit failing fails the request with its error; the others are
-        cancelled or closed, so that their own clean-up lets P's blocks go.
+        A unit failing fails the request with its error once every unit has
+        ended: one cancelled between P's answer and D's call would leave P
+        holding its blocks for nobody. The streams of those that did not fail
+        are closed unsent, so that their own clean-up lets P's blocks go.
         """
-        tasks = [asyncio.ensure_future(self._route(unit, f"{request_id}-{k}", api))
-                 for k, unit in enumerate(units)]
-        try:
-            responses = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            done = await asyncio.gather(*tasks, return_exceptions=True)
-            for response in done:
+        results = await asyncio.gather(
+            *(self._route(unit, f"{request_id}-{k}", api) for k, unit in enumerate(units)),
+            return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        responses = [r for r in results if not isinstance(r, BaseException)]
+        if failures:
+            for response in responses:
                 if isinstance(response, ClosingStreamingResponse):
                     await response.discard()
-            raise
+            raise failures[0]
         n = body.get("n") or 1
         if body.get("stream") is True:
             streams = [_sse_of(response) for response in responses]
