@@ -66,6 +66,7 @@ class Fake:
     ledger: Ledger
     bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     refuse_connections: bool = False
+    refused_seed: int | None = None  # answers 400 to a request with this seed
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -84,7 +85,8 @@ class Fake:
             body = json.loads(await request.body())
             self.bodies.append((path, body))
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-            if (body.get("min_tokens") or 0) > max_tokens:
+            if (body.get("min_tokens") or 0) > max_tokens or (
+                    body.get("seed") is not None and body.get("seed") == self.refused_seed):
                 return JSONResponse({"error": {"message": "min_tokens > max_tokens",
                                                "type": "BadRequestError"}}, 400)
             return self._answer(body, chat, max_tokens)
@@ -341,6 +343,22 @@ def test_d_refusing_a_choice_fails_the_request_and_p_lets_every_grant_go(
     assert len(releases) == 2 and all(b["max_tokens"] == 1 for b in releases)
     if kind == "chat":
         assert all(b["messages"] == CHAT["messages"] for b in releases)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_one_choice_refused_fails_a_stream_and_the_others_are_closed_unsent(kind: str) -> None:
+    dep = deployment()
+    dep.decode[0].refused_seed = 8
+    body = {**BODIES[kind], "n": 3, "seed": 7, "temperature": 1.0, "stream": True}
+
+    async def scenario(proxy: httpx.AsyncClient, _: httpx.AsyncClient) -> httpx.Response:
+        return await proxy.post(PATHS[kind], json=body)
+
+    response = run(dep, scenario)
+    assert response.status_code == 400 and "min_tokens > max_tokens" in response.text
+    # choices 0 and 2 were read by their D stream (closed unsent), choice 1 released
+    assert len(dep.ledger.issued) == 3 and dep.ledger.unread() == []
+    assert dep.ledger.read_twice() == []
 
 
 def test_models_is_a_decodes_answer_and_skips_a_dead_one() -> None:
