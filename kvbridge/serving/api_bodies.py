@@ -50,6 +50,9 @@ class Api:
 COMPLETIONS = Api("/v1/completions", chat=False)
 CHAT = Api("/v1/chat/completions", chat=True)
 
+#: vLLM takes a temperature below this for greedy sampling (``sampling_params._SAMPLING_EPS``).
+_GREEDY_BELOW = 1e-5
+
 #: What D needs besides the messages to render the prompt P rendered (chat).
 _RENDER_KEYS = ("model", "messages", "add_generation_prompt", "continue_final_message",
                 "add_special_tokens", "chat_template", "chat_template_kwargs", "tools",
@@ -112,6 +115,10 @@ def _check_choices(body: dict[str, Any], api: Api, max_choices: int) -> None:
         raise ApiError(400, "use_beam_search is not supported by kvbridge proxy: beam search "
                             "extends its beams one engine call at a time, which P/D cannot "
                             "split; send it to a colocated server")
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, int | float) and temperature < _GREEDY_BELOW:
+        # vLLM's own refusal: its n choices of a greedy request would all be the same
+        raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise ApiError(400, f"seed must be an integer, got {seed!r:.40}")

@@ -102,6 +102,10 @@ class Fake:
                 prompt[0], int) else [prompt]
             prompts = [[int(w) for w in p.split()] if isinstance(p, str) else p for p in raw]
         n, seed = body.get("n") or 1, body.get("seed")
+        if n > 1 and body.get("temperature", 1.0) < 1e-5:  # vLLM's refusal
+            return JSONResponse({"error": {"message": f"n must be 1 when using greedy "
+                                                      f"sampling, got {n}.",
+                                           "type": "BadRequestError"}}, 400)
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_prefill"):  # every engine request reads the grant
             grant = params["grant"]
@@ -247,7 +251,8 @@ BODIES = {"chat": CHAT, "completion": COMPLETION}
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11}])
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "seed": 11},
+                                      {"temperature": 0.7, "seed": 0}])
 def test_n_choices_equal_colocated_and_every_grant_is_read_once(
     kind: str, stream: bool, sampling: dict[str, Any]
 ) -> None:
@@ -394,6 +399,7 @@ BAD = [
     (b'{"n": true}', "n must be an integer >= 1"),
     (b'{"n": 65}', "65 choices asked for"),
     (b'{"n": 2, "best_of": 3}', "best_of 3 is not supported"),
+    (b'{"n": 2, "temperature": 0}', "n must be 1 when using greedy sampling, got 2."),
     (b'{"best_of": 2}', "best_of 2 is not supported"),
     (b'{"use_beam_search": true}', "use_beam_search is not supported"),
     (b'{"n": 2, "seed": "7"}', "seed must be an integer"),
