@@ -29,9 +29,11 @@ logger = logging.getLogger("kvbridge.serve")
 
 def add_proxy_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``proxy`` (sets ``func=run_proxy``); returns its parser."""
-    p = subparsers.add_parser("proxy", help="route completions: prefill on P, decode on D",
+    p = subparsers.add_parser("proxy", help="route completions and chat completions: "
+                              "prefill on P, decode on D",
                               description="OpenAI-style P/D proxy with round robin over "
-                              "each pool.")
+                              "each pool: /v1/completions, /v1/chat/completions, /v1/models "
+                              "(a D's), /health.")
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill instances (http://host:port or host:port)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
@@ -45,7 +47,11 @@ def add_proxy_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
     p.add_argument("--classic", action="store_true",
                    help="D computes the answer's first token again (vLLM's toy-proxy flow); "
                         "default: P's token goes to the client at once and D continues after "
-                        "it, for requests that allow it")
+                        "it, for completions that allow it (chat always takes the classic "
+                        "flow)")
+    p.add_argument("--max-choices", type=int, default=64, metavar="N",
+                   help="most choices (n times the prompts) one request may ask for; each is "
+                        "prefilled and decoded on its own")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_proxy)
@@ -65,7 +71,8 @@ def run_proxy(args: argparse.Namespace) -> int:
         try:
             config = ProxyConfig(backend_urls(args.prefill), backend_urls(args.decode),
                                  prefill_timeout_s=args.timeout, decode_timeout_s=args.timeout,
-                                 read_timeout_s=args.read_timeout, first_token=not args.classic)
+                                 read_timeout_s=args.read_timeout, first_token=not args.classic,
+                                 max_choices=args.max_choices)
             sock = bind(args.host, args.port)
         except (ConfigError, OSError) as exc:
             print(f"kvbridge proxy: error: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """One role's backends for the P/D proxy: round robin that skips unhealthy ones.
 
 ``kvbridge/serving/proxy.py`` keeps one :class:`BackendPool` for its prefill and one for
-its decode instances and sends every backend call through :meth:`BackendPool.post`.
+its decode instances and sends every backend call through :meth:`BackendPool.post`
+(``/v1/completions``, ``/v1/chat/completions``) or :meth:`BackendPool.get` (``/v1/models``).
 A backend that could not be reached or answered 5xx is marked down for a
 back-off; round robin passes over it while the mark runs and another backend of
 the role is usable. A down backend gets no request before its ``/health``
@@ -14,9 +15,9 @@ backend is left (a restarted instance then serves without waiting)::
                                                  down (new back-off) <-- not ok --+
 
 A call whose connection failed is retried once on another backend of the
-role: for prefill whenever no answer came (the client has received nothing
-yet), for decode only when the connection never opened (D cannot have used
-P's blocks). Imports no torch (the proxy starts in a fraction of a second).
+role: for prefill and for a GET whenever no answer came (the client has received
+nothing yet), for a decode only when the connection never opened (D cannot
+have used P's blocks). Imports no torch (the proxy starts in a fraction of a second).
 """
 
 from __future__ import annotations
@@ -202,8 +203,8 @@ class BackendPool:
         return None if response.status_code == 200 else error_text(response)
 
     async def post(self, body: dict[str, Any], request_id: str, timeout_s: float,
-                   stream: bool) -> tuple[httpx.Response, str]:
-        """POST ``body`` to ``/v1/completions`` of the next usable backend.
+                   stream: bool, path: str = "/v1/completions") -> tuple[httpx.Response, str]:
+        """POST ``body`` to ``path`` of the next usable backend.
 
         Retried once on another backend as the module docstring says. A streamed
         answer is returned unread (the caller closes it).
@@ -216,6 +217,17 @@ class BackendPool:
                 a time-out or a 5xx answer.
             ClientErrorAnswer: a 4xx answer.
         """
+        return await self._call("POST", path, body, request_id, timeout_s, stream)
+
+    async def get(self, path: str, request_id: str, timeout_s: float
+                  ) -> tuple[httpx.Response, str]:
+        """GET ``path`` of the next usable backend, read whole; as :meth:`post`, but
+        retried once on another backend after any lost connection (it changes nothing)."""
+        return await self._call("GET", path, None, request_id, timeout_s, False)
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None,
+                    request_id: str, timeout_s: float, stream: bool
+                    ) -> tuple[httpx.Response, str]:
         tried: list[str] = []
         while True:
             try:
@@ -224,9 +236,11 @@ class BackendPool:
                 raise ApiError(503, str(exc), "service_unavailable") from None
             tried.append(url)
             try:
-                return await self._send(url, body, request_id, timeout_s, stream), url
+                request = self._client.build_request(method, f"{url}{path}", json=body,
+                                                     headers={"x-request-id": request_id})
+                return await self._send(url, request, timeout_s, stream), url
             except _Failed as exc:
-                may_retry = self.role == "prefill" or not exc.opened
+                may_retry = self.role == "prefill" or method == "GET" or not exc.opened
                 if len(tried) == 1 and may_retry and len(self.urls) > 1:
                     logger.warning("%s: %s; retrying on another %s backend", request_id, exc,
                                    self.role)
@@ -235,18 +249,16 @@ class BackendPool:
                     raise ApiError(503, self.describe_unusable(), "service_unavailable") from None
                 raise ApiError(502, str(exc), "bad_gateway") from None
 
-    async def _send(self, base_url: str, body: dict[str, Any], request_id: str,
-                    timeout_s: float, stream: bool) -> httpx.Response:
-        """One POST within ``timeout_s``; marks the backend down on a lost connection or 5xx.
+    async def _send(self, base_url: str, request: httpx.Request, timeout_s: float,
+                    stream: bool) -> httpx.Response:
+        """One call within ``timeout_s``; marks the backend down on a lost connection or 5xx.
 
         Raises:
             _Failed: no answer (connection refused, dropped or reset).
             ApiError: 502 for a time-out, another failure or a 5xx answer.
             ClientErrorAnswer: a 4xx answer.
         """
-        url = f"{base_url}/v1/completions"
-        request = self._client.build_request("POST", url, json=body,
-                                             headers={"x-request-id": request_id})
+        url = str(request.url)
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self._client.send(request, stream=stream)

@@ -90,6 +90,8 @@ def prefill_body(body: dict[str, Any], first_token: bool) -> dict[str, Any]:
     if first_token:  # P computes the whole prompt (a state model's P stops short otherwise)
         params["first_token_flow"] = True
     p_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    if "max_completion_tokens" in body:  # chat: it wins over max_tokens
+        p_body["max_completion_tokens"] = 1
     p_body.pop("stream_options", None)  # refused by vLLM without stream
     if isinstance(body.get("min_tokens"), int):
         p_body["min_tokens"] = min(body["min_tokens"], 1)  # no EOS as t1 if the client said so

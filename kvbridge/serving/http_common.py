@@ -83,13 +83,24 @@ class ClosingStreamingResponse(StreamingResponse):
     def __init__(self, content: AsyncGenerator[bytes, None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
-        self._generator = content
+        self.generator = content
+
+    async def discard(self) -> None:
+        """Close an answer that will not be sent: the generator runs to its first
+        ``yield`` and is closed there, so its ``finally`` runs (closing a generator
+        that never started would skip it)."""
+        try:
+            await anext(self.generator)
+        except StopAsyncIteration:
+            pass
+        finally:
+            await self.generator.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._generator.aclose()
+            await self.generator.aclose()
 
 
 async def read_body(request: Request, max_nbytes: int) -> bytes:

@@ -1,7 +1,9 @@
-"""P/D proxy: an OpenAI-style ``/v1/completions`` front that prefills on P and decodes on D.
+"""P/D proxy: an OpenAI-style front that prefills on P and decodes on D.
 
 ``kvbridge proxy`` (``kvbridge/cli/proxy.py``) serves :func:`build_proxy_app`
-with uvicorn. Per request, with round robin over each pool::
+with uvicorn: ``POST /v1/completions`` and ``POST /v1/chat/completions`` go P
+then D, ``GET /v1/models`` is D's answer, ``GET /health`` reports every backend.
+Per request, with round robin over each pool::
 
     client --body--> proxy --body + max_tokens=1, stream=false,
                               kv_transfer_params={"do_remote_decode": true}--> P
@@ -9,11 +11,20 @@ with uvicorn. Per request, with round robin over each pool::
                      proxy --body + P's kv_transfer_params-------------------> D
     client <--D's answer (SSE passed through as it arrives, or one JSON)---- D
 
-That is the classic flow. By default (``ProxyConfig.first_token``) requests that
-allow it take the first-token path (``kvbridge/serving/first_token.py``): the
+That is the classic flow. By default (``ProxyConfig.first_token``) completions
+that allow it take the first-token path (``kvbridge/serving/first_token.py``): the
 client gets P's token the moment P answers, and D, asked for the rest with
 that token appended to its prompt, loads the prompt's KV and continues; so
-the client's first token waits for P only.
+the client's first token waits for P only. Chat completions take the classic
+flow: D would continue after P's token only from token ids, which only
+``/v1/completions`` takes, and a chat answer passes through what the server
+does to chat output alone (reasoning and tool-call parsers, set by server
+flags the proxy cannot see), so the answer could differ.
+
+A request for several choices (``n``, or a completion's list of prompts) is
+split into one request per choice (``api_bodies.py``: P would hold a grant
+per choice and hand out the params of one) and the answers merged
+(``fan_out.py``).
 
 P answering without ``kv_transfer_params`` (no connector) is not an error: D
 then prefills locally. A 4xx from a backend (the client's mistake) is passed
@@ -54,7 +65,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvbridge.errors import ConfigError
-from kvbridge.serving import first_token
+from kvbridge.serving import api_bodies, fan_out, first_token
+from kvbridge.serving.api_bodies import CHAT, COMPLETIONS, Api
 from kvbridge.serving.backend_pool import (
     BackendPool,
     ClientErrorAnswer,
@@ -95,6 +107,7 @@ class ProxyConfig:
             its ``/health`` is probed again.
         first_token: send P's token to the client as the first token and ask D
             for the rest (module docstring); False: the classic flow only.
+        max_choices: Most choices (``n`` times the prompts) one request may ask for.
 
     Raises:
         ConfigError: an empty pool, a URL that is not ``http(s)://``, or a
@@ -111,6 +124,7 @@ class ProxyConfig:
     max_body_nbytes: int = 16 << 20
     unhealthy_backoff_s: float = 5.0
     first_token: bool = True
+    max_choices: int = 64
 
     def __post_init__(self) -> None:
         for pool in ("prefill_urls", "decode_urls"):
@@ -127,29 +141,19 @@ class ProxyConfig:
                   "read_timeout_s": self.read_timeout_s,
                   "health_timeout_s": self.health_timeout_s,
                   "max_body_nbytes": self.max_body_nbytes,
-                  "unhealthy_backoff_s": self.unhealthy_backoff_s}
+                  "unhealthy_backoff_s": self.unhealthy_backoff_s,
+                  "max_choices": self.max_choices}
         bad_limits = {k: v for k, v in limits.items() if not v > 0}
         if bad_limits:
             raise ConfigError(f"time and size limits must be > 0, got {bad_limits}")
-
-
-def _classic_release_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """A one-token D request of the client's prompt whose only purpose is that P's held
-    blocks are read and let go (the client's own request did not reach D)."""
-    return {"model": body.get("model"), "prompt": body.get("prompt"), "max_tokens": 1,
-            "temperature": 0.0, "kv_transfer_params": params}
 
 
 def _bad_gateway(message: str) -> ApiError:
     return ApiError(502, message, "bad_gateway")
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 class PDProxy:
-    """Routes completions P -> D over pooled HTTP connections.
+    """Routes completions and chat completions P -> D over pooled HTTP connections.
 
     Args:
         config: Backends and limits.
@@ -177,12 +181,35 @@ class PDProxy:
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``: P, then D; never waits past the configured limits."""
+        return await self._serve(request, COMPLETIONS)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``: P, then D (the classic flow)."""
+        return await self._serve(request, CHAT)
+
+    async def models(self) -> Response:
+        """``GET /v1/models``: a D's answer as it is (P and D serve the same model)."""
         try:
-            body = await self._read_json(request)
-            request_id = f"pd-{uuid.uuid4().hex}"
-            return await unless_client_gone(request, self._route(body, request_id))
+            response, _ = await self.decode_pool.get("/v1/models", f"pd-{uuid.uuid4().hex}",
+                                                     self.config.decode_timeout_s)
         except ApiError as exc:
-            logger.warning("completion failed: %s", exc)
+            logger.warning("models failed: %s", exc)
+            return exc.response()
+        except ClientErrorAnswer as exc:
+            response = exc.response
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    async def _serve(self, request: Request, api: Api) -> Response:
+        try:
+            raw = await read_body(request, self.config.max_body_nbytes)
+            body = api_bodies.parse(raw, api, self.config.max_choices)
+            units = api_bodies.split(body, api)
+            request_id = f"pd-{uuid.uuid4().hex}"
+            work = (self._route(body, request_id, api) if len(units) == 1
+                    else self._fan_out(body, units, request_id, api))
+            return await unless_client_gone(request, work)
+        except ApiError as exc:
+            logger.warning("%s failed: %s", api.path, exc)
             return exc.response()
         except ClientErrorAnswer as exc:
             return Response(exc.response.content, exc.response.status_code,
@@ -190,34 +217,14 @@ class PDProxy:
         except ClientGone:
             return Response(status_code=499)
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        raw = await read_body(request, self.config.max_body_nbytes)
-        try:
-            # NaN and Infinity are not JSON: refused here, they could not be forwarded.
-            body = json.loads(raw, parse_constant=_refuse_constant)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-            raise ApiError(400, f"invalid JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, f"request body must be a JSON object, got "
-                                f"{type(body).__name__}")
-        # Checked here: P is always asked with stream=false and max_tokens=1 and would
-        # not notice. A bad value found only by D would leave P holding the prompt's
-        # blocks until the lease ends.
-        if not isinstance(body.get("stream", False), bool):
-            raise ApiError(400, f"stream must be true or false, got {body['stream']!r}")
-        max_tokens = body.get("max_tokens", 1)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r:.40}")
-        return body
-
-    async def _route(self, body: dict[str, Any], request_id: str) -> Response:
+    async def _route(self, body: dict[str, Any], request_id: str, api: Api) -> Response:
         # No usable D: refuse before P prefills (and holds blocks) for nobody.
         try:
             await self.decode_pool.pick(advance=False)
         except NoBackendError as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
-        wants_first = self.config.first_token and first_token.plan(body)
-        answer, p_url = await self._prefill(body, request_id, wants_first)
+        wants_first = self.config.first_token and not api.chat and first_token.plan(body)
+        answer, p_url = await self._prefill(body, request_id, wants_first, api)
         params = self._params(answer, p_url, request_id)
         first = first_token.take(answer) if wants_first and params is not None else None
         if first is not None and not first_token.covers_prompt(first, params):
@@ -232,21 +239,59 @@ class PDProxy:
             d_body["kv_transfer_params"] = params
         try:
             response, url = await self.decode_pool.post(d_body, request_id,
-                                                        self.config.decode_timeout_s, stream)
+                                                        self.config.decode_timeout_s, stream,
+                                                        api.path)
         except ClientErrorAnswer:
             if params is not None:  # D refused it: P holds the prompt for nobody
-                self._release_later(_classic_release_body(body, params), request_id)
+                release = api_bodies.classic_release_body(body, api, params)
+                self._release_later(release, request_id, api)
             raise
         if stream:
-            return ClosingStreamingResponse(self._relay(response, url))
+            return ClosingStreamingResponse(self._relay(response, url, api))
         return Response(response.content, response.status_code, media_type="application/json")
 
-    async def _prefill(self, body: dict[str, Any], request_id: str, wants_first: bool
-                       ) -> tuple[dict[str, Any], str]:
+    async def _fan_out(self, body: dict[str, Any], units: list[dict[str, Any]],
+                       request_id: str, api: Api) -> Response:
+        """Each choice P -> D on its own, all at once; one answer (``fan_out.py``).
+
+        A unit failing fails the request with its error once every unit has
+        ended: one cancelled between P's answer and D's call would leave P
+        holding its blocks for nobody. The streams of those that did not fail
+        are closed unsent, so that their own clean-up lets P's blocks go.
+        """
+        results = await asyncio.gather(
+            *(self._route(unit, f"{request_id}-{k}", api) for k, unit in enumerate(units)),
+            return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        responses = [r for r in results if not isinstance(r, BaseException)]
+        if failures:
+            for response in responses:
+                if isinstance(response, ClosingStreamingResponse):
+                    await response.discard()
+            raise failures[0]
+        n = body.get("n") or 1
+        if body.get("stream") is True:
+            streams = [_sse_of(response) for response in responses]
+            return ClosingStreamingResponse(fan_out.merge_streams(streams, n))
+        answers = []
+        for k, response in enumerate(responses):
+            try:
+                answer: object = json.loads(bytes(response.body))
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                raise _bad_gateway(f"the answer to choice {k} is not a JSON object: "
+                                   f"{bytes(response.body)[:200]!r}")
+            answers.append(answer)
+        return JSONResponse(fan_out.merge_answers(answers, n))
+
+    async def _prefill(self, body: dict[str, Any], request_id: str, wants_first: bool,
+                       api: Api) -> tuple[dict[str, Any], str]:
         """Run the prompt on the next P; return its JSON answer and P's URL."""
         p_body = first_token.prefill_body(body, wants_first)
         response, url = await self.prefill_pool.post(p_body, request_id,
-                                                     self.config.prefill_timeout_s, stream=False)
+                                                     self.config.prefill_timeout_s, False,
+                                                     api.path)
         try:
             answer: object = response.json()
         except ValueError:
@@ -323,16 +368,19 @@ class PDProxy:
             # nothing, so P's blocks go now rather than at the end of their lease
             if (d_refused or not asked_d) and isinstance(params, dict):
                 self._release_later(first_token.release_body(body, first, params), request_id)
-        async for chunk in first_token.rewrite_events(body, first, self._relay(response, url)):
+        relayed = self._relay(response, url, COMPLETIONS)
+        async for chunk in first_token.rewrite_events(body, first, relayed):
             yield chunk
 
-    def _release_later(self, d_body: dict[str, Any], request_id: str) -> None:
+    def _release_later(self, d_body: dict[str, Any], request_id: str,
+                       api: Api = COMPLETIONS) -> None:
         """Ask D in the background for one token so that P's blocks are read and released."""
 
         async def release() -> None:
             try:
                 response, _ = await self.decode_pool.post(d_body, request_id,
-                                                          self.config.decode_timeout_s, False)
+                                                          self.config.decode_timeout_s, False,
+                                                          api.path)
                 await response.aclose()
             except (ApiError, ClientErrorAnswer) as exc:
                 logger.warning("%s: could not hand P's blocks to a decode (P keeps them until "
@@ -342,13 +390,13 @@ class PDProxy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _relay(self, response: httpx.Response, base_url: str
+    async def _relay(self, response: httpx.Response, base_url: str, api: Api
                      ) -> AsyncGenerator[bytes, None]:
         """D's SSE bytes as they arrive; a failure ends the stream with an error event.
 
         Never retried: the client may already hold part of the answer.
         """
-        url = f"{base_url}/v1/completions"
+        url = f"{base_url}{api.path}"
         limit_s = self.config.read_timeout_s
         chunks = response.aiter_bytes()
         try:
@@ -395,6 +443,16 @@ class PDProxy:
         return {"url": url, "ok": problem is None, "detail": problem or "ok"}
 
 
+async def _sse_of(response: Response) -> AsyncGenerator[bytes, None]:
+    """The SSE bytes of a unit's streamed answer (one already whole, or a live stream)."""
+    if isinstance(response, ClosingStreamingResponse):
+        async with contextlib.aclosing(response.generator) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    else:
+        yield bytes(response.body)
+
+
 def build_proxy_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None,
                     clock: Callable[[], float] = time.monotonic) -> FastAPI:
     """The proxy's HTTP app; its backend connections close when the app shuts down.
@@ -405,7 +463,8 @@ def build_proxy_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | N
         clock: See :class:`PDProxy`.
 
     Returns:
-        A FastAPI (ASGI) app with ``POST /v1/completions`` and ``GET /health``.
+        A FastAPI (ASGI) app with ``POST /v1/completions``, ``POST /v1/chat/completions``,
+        ``GET /v1/models`` and ``GET /health``.
     """
     proxy = PDProxy(config, transport, clock)
 
@@ -418,6 +477,8 @@ def build_proxy_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | N
                   lifespan=lifespan)
     add_error_handlers(app)
     app.add_api_route("/v1/completions", proxy.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", proxy.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/health", proxy.health, methods=["GET"])
     app.state.proxy = proxy
     return app

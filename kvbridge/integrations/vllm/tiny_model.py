@@ -3,9 +3,10 @@
 For trying kvbridge in vLLM where no model hub is reachable (the vLLM tests,
 ``kvbridge bench vllm``, ``examples/vllm``): ``python -m
 kvbridge.integrations.vllm.tiny_model DIR`` writes a ``transformers`` Llama
-with random weights and a byte-level BPE tokenizer trained on a generated
-corpus. Byte-level BPE maps every byte to a token
-first, so any text round-trips (``decode(encode(text)) == text``).
+with random weights, a byte-level BPE tokenizer trained on a generated
+corpus and a plain chat template (for ``/v1/chat/completions``). Byte-level
+BPE maps every byte to a token first, so any text round-trips
+(``decode(encode(text)) == text``).
 
 Everything is a function of ``seed``: the same seed writes byte-identical
 ``model.safetensors`` and ``tokenizer.json``, so greedy outputs can be compared
@@ -30,6 +31,13 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 Dtype = Literal["bfloat16", "float32"]
 
 BOS, EOS = "<s>", "</s>"
+#: A plain chat template (vLLM serves chat completions only for a tokenizer with one):
+#: each message as ``<|role|>`` and its text, the answer after ``<|assistant|>``.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 8192  # prompts of ~4k tokens plus their completions
 HEAD_DIM = 32
@@ -146,6 +154,7 @@ def _train_tokenizer(seed: int) -> PreTrainedTokenizerFast:
         eos_token=EOS,
         clean_up_tokenization_spaces=False,
         model_max_length=MAX_POSITION_EMBEDDINGS,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
