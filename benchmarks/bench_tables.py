@@ -180,14 +180,16 @@ def serve_goodput_rate(points: list[dict[str, Any]], attainment: float = 0.9) ->
 def serve_table(report: dict[str, Any]) -> str:
     """Per configuration, workload and sweep point: counts, throughput, goodput, latency
     percentiles (one row per repeat); then each configuration's goodput rate, skips, errors."""
-    headers = ["workload", "load", "config", "ok/failed", "req/s", "out tok/s",
+    headers = ["workload", "load", "config", "ok/short/failed", "req/s", "out tok/s",
                "goodput req/s", "SLO met", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                "ITL p50", "ITL p99", "load avg"]
     configs = report["configs"]
     rows = []
     for name, result in configs.items():
         for p in result.get("points", []):
-            rows.append([p["workload"], _load(p), name, f"{p['completed']}/{p['failed']}",
+            short = "?" if p.get("num_short") is None else p["num_short"]
+            rows.append([p["workload"], _load(p), name,
+                         f"{p['completed']}/{short}/{p['failed']}",
                          p["request_throughput"], p["output_throughput"],
                          p["request_goodput"], f"{100 * p['slo_attainment']:.0f}%",
                          p["p50_ttft_ms"], p["p99_ttft_ms"], p["p50_tpot_ms"],
@@ -197,7 +199,9 @@ def serve_table(report: dict[str, Any]) -> str:
                              order.index(str(r[2]))))
     settings = report["settings"]
     lines = [markdown_table(headers, rows), "", "times in ms; load: Poisson rate or "
-             "concurrency; SLO met: share of completed requests within both SLOs"]
+             "concurrency; ok: completed (vllm bench serve: a first token came), of which "
+             "short: fewer tokens than asked; SLO met: share of completed requests within "
+             "both SLOs"]
     for name, w in settings["workloads"].items():
         lines.append(f"- workload {name}: {w['input_len']} in / {w['output_len']} out, "
                      f"{w['num_prompts']} prompts per point, SLO TTFT {w['slo_ttft_ms']:g} ms "
@@ -211,6 +215,10 @@ def serve_table(report: dict[str, Any]) -> str:
     lines.append(f"\nmodel {settings['model']}; cores {settings['cores']}; "
                  f"{settings['repeats']} repeat(s)")
     for name, result in configs.items():
+        for p in result.get("points", []):
+            if p.get("first_error"):
+                error = " ".join(p["first_error"].split())[-300:]
+                lines.append(f"\n{name} {p['workload']} {_load(p)}, first error: {error}")
         if "skipped" in result:
             lines.append(f"\n{name} SKIPPED: {result['skipped']}")
         if "error" in result:
@@ -233,8 +241,10 @@ def passed(name: str, report: dict[str, Any]) -> bool:
             for r in rows if r["peer"] in ("nixl", "mooncake"))
     if name == "e2e":
         return bool(report["all_match"])
-    if name == "serve":  # kvbridge's configurations ran every point, no request failed
-        return all("error" not in result and not any(p["failed"] for p in result["points"])
+    if name == "serve":  # kvbridge's configurations ran every point, every answer whole
+        return all("error" not in result and not any(
+            p["failed"] or p.get("num_short") or p["missing_output_tokens"] > 0
+            for p in result["points"])
                    for config, result in report["configs"].items()
                    if config.startswith("kvbridge") and "skipped" not in result)
     if name == "vllm":  # kvbridge's D loaded KV for every length, without a failed read

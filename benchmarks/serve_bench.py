@@ -167,7 +167,7 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
             result_path = out / "serve-results" / f"{label}.json"
             raw = run_point(point, front.url, model, result_path,
                             log_dir / f"client-{label}.log", plan["point_timeout_s"])
-            row.update(parse_result(raw), result_file=str(result_path))
+            row.update(parse_result(raw, point.output_len), result_file=str(result_path))
             result["points"].append(row)
             done += 1
             tick(label)

@@ -64,7 +64,8 @@ def client_argv(point: Point, base_url: str, model: Path, result_path: Path) -> 
             "--goodput", f"ttft:{point.slo_ttft_ms:g}", f"tpot:{point.slo_tpot_ms:g}",
             "--percentile-metrics", ",".join(METRICS),
             "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-            "--save-result", "--result-filename", str(result_path), "--disable-tqdm"]
+            "--save-result", "--save-detailed", "--result-filename", str(result_path),
+            "--disable-tqdm"]
     if point.concurrency is not None:
         argv += ["--max-concurrency", str(point.concurrency)]
     return argv
@@ -105,12 +106,20 @@ def run_point(point: Point, base_url: str, model: Path, result_path: Path, log_p
     return raw
 
 
-def parse_result(raw: dict[str, Any]) -> dict[str, Any]:
+def parse_result(raw: dict[str, Any], output_len: int) -> dict[str, Any]:
     """The figures of one saved ``vllm bench serve`` JSON the report keeps.
 
     ``slo_attainment`` is the share of completed requests that met both SLOs
     (``request_goodput / request_throughput``: both are counts over the same
     duration); DistServe's goodput is the highest rate where it is >= 0.9.
+
+    ``vllm bench serve`` counts a request completed once its first token came,
+    so an answer cut short after it (a P/D proxy that sent P's token, then lost
+    D) counts as completed. With EOS ignored every answer has ``output_len``
+    tokens: ``num_short`` counts the completed answers with fewer (from the
+    per-request lengths of ``--save-detailed``; None without them) and
+    ``missing_output_tokens`` what all of them lack; ``first_error`` is the
+    first failed request's error.
 
     Raises:
         ValueError: the JSON lacks a figure (not a ``vllm bench serve`` result with
@@ -128,6 +137,12 @@ def parse_result(raw: dict[str, Any]) -> dict[str, Any]:
     throughput, goodput = raw["request_throughput"], raw["request_goodput"]
     row["slo_attainment"] = (goodput / throughput if throughput and goodput is not None
                              else 0.0)
+    lens, errors = raw.get("output_lens"), raw.get("errors")
+    row["num_short"] = None if lens is None else sum(
+        1 for n, error in zip(lens, errors or [""] * len(lens), strict=True)
+        if not error and n < output_len)
+    row["missing_output_tokens"] = raw["completed"] * output_len - raw["total_output_tokens"]
+    row["first_error"] = next((str(e)[-500:] for e in errors or [] if e), None)
     return row
 
 

@@ -37,26 +37,45 @@ def _raw() -> dict[str, Any]:
 def _point(raw: dict[str, Any], rate: float, **changes: Any) -> dict[str, Any]:
     row = {"workload": "short", "sweep": "rate", "rate": rate, "concurrency": None,
            "seed": 1000, "input_len": 256, "output_len": 64, "loadavg": 1.0,
-           **parse_result(raw)}
+           **parse_result(raw, 64)}
     row.update(changes)
     return row
 
 
 def test_a_saved_vllm_bench_serve_result_becomes_a_row() -> None:
     raw = _raw()
-    row = parse_result(raw)
+    row = parse_result(raw, 64)
     assert row["completed"] + row["failed"] == raw["num_prompts"]
+    assert (row["num_short"], row["missing_output_tokens"], row["first_error"]) == (
+        None, 0, None)  # saved without --save-detailed: no per-request lengths
     assert row["slo_attainment"] == pytest.approx(
         raw["request_goodput"] / raw["request_throughput"])
     for metric in ("ttft", "tpot", "itl", "e2el"):
         assert row[f"p50_{metric}_ms"] <= row[f"p99_{metric}_ms"]
 
 
+def test_an_answer_cut_after_its_first_token_counts_as_short_not_whole() -> None:
+    # vllm bench serve counts a request completed once a first token came
+    raw = {**_raw(), "completed": 2, "failed": 1, "total_output_tokens": 65,
+           "output_lens": [64, 1, 0], "errors": ["", "", "Bad Gateway"]}
+    row = parse_result(raw, 64)
+    assert (row["num_short"], row["missing_output_tokens"], row["first_error"]) == (
+        1, 63, "Bad Gateway")
+    report = {"settings": {"model": "m", "cores": "split", "repeats": 1, "workloads": {}},
+              "configs": {"kvbridge-proxy": {"points": [
+                  {"workload": "short", "sweep": "rate", "rate": 2.0, "concurrency": None,
+                   "loadavg": 1.0, **row}]}}}
+    assert not bench_tables.passed("serve", report)
+    table = bench_tables.serve_table(report)
+    assert "2/1/1" in table  # ok/short/failed
+    assert "kvbridge-proxy short 2/s, first error: Bad Gateway" in table
+
+
 def test_a_result_without_goodput_or_percentiles_is_refused_by_name() -> None:
     raw = _raw()
     del raw["p99_tpot_ms"], raw["request_goodput"]
     with pytest.raises(ValueError, match=r"missing \['request_goodput', 'p99_tpot_ms'\]"):
-        parse_result(raw)
+        parse_result(raw, 64)
 
 
 def test_every_point_gets_its_own_seed_and_enough_prompts_for_its_concurrency() -> None:
@@ -175,7 +194,8 @@ def test_one_configuration_runs_vllm_bench_serve_end_to_end(tmp_path: Path) -> N
     # a request may fail (a synchronous load past its deadline, under vLLM's default
     # kv_load_failure_policy): counted, and the exit code says so
     assert point["completed"] + point["failed"] == 4 and point["completed"] >= 1
-    assert code == (1 if point["failed"] else 0)
+    assert point["num_short"] is not None  # per-request lengths saved (--save-detailed)
+    assert code == (1 if point["failed"] or point["num_short"] else 0)
     raw = json.loads(Path(point["result_file"]).read_text())
     assert (raw["num_prompts"], raw["request_rate"]) == (4, 4.0)
     assert point["p99_ttft_ms"] > 0 and point["p50_tpot_ms"] > 0
