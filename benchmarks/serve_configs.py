@@ -43,10 +43,10 @@ from kvbridge.cli.demo.procs import reserve_ports
 CONFIGS = ("colocated", "kvbridge-router", "kvbridge-proxy", "nixl-router")
 _CONNECTOR = {"kvbridge-router": "kvbridge", "kvbridge-proxy": "kvbridge",
               "nixl-router": "nixl"}
-ROUTER_INSTALL = ("pip install vllm-router  (or: pip install --no-deps --target DIR "
-                  "vllm-router, then PYTHONPATH=DIR)")
-NIXL_INSTALL = ("pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1  (or: pip install "
-                "--no-deps --target DIR nixl==1.5.1 nixl-cu12==1.5.1, then PYTHONPATH=DIR)")
+ROUTER_INSTALL = ("pip install vllm-router; or: pip install --no-deps --target DIR "
+                  "vllm-router, then PYTHONPATH=DIR")
+NIXL_INSTALL = ("pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1; or: pip install "
+                "--no-deps --target DIR nixl==1.5.1 nixl-cu12==1.5.1, then PYTHONPATH=DIR")
 
 
 def router_command() -> list[str] | None:
