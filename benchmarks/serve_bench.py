@@ -210,13 +210,16 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
         point_timeout_s: Longest one point may run.
 
     Raises:
-        ValueError: an unknown configuration or workload, "split" on < 2 cores.
+        ValueError: an unknown configuration or workload, no point to run, repeats
+            < 1, "split" on < 2 cores.
     """
     configs = configs or list(serve_configs.CONFIGS)
     for name in configs:
         serve_configs.missing_tool(name)  # raises ValueError on an unknown name
     if cores not in ("split", "shared"):
         raise ValueError(f"cores {cores!r}: expected 'split' or 'shared'")
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats}: expected at least 1")
     if cores == "split" and len(os.sched_getaffinity(0)) < 2:
         raise ValueError("cores 'split' needs 2 cores")
     base = QUICK if quick else FULL
