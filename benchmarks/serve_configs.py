@@ -9,7 +9,8 @@ configuration       servers (cores with ``--cores split``) -> front end
 ==================  ==========================================================
 colocated           2 replicas, no connector (core 0, core 1) -> vllm-router
                     (round robin): the same cores as a P/D pair
-kvbridge-router     P (0) and D (1), KVBridgeConnector, zero config ->
+kvbridge-router     P (0) and D (1), KVBridgeConnector as ``kvbridge bench vllm``
+                    configures it (zero config, failure policy recompute) ->
                     ``vllm-router --vllm-pd-disaggregation --kv-connector nixl``
 kvbridge-proxy      the same P and D -> ``kvbridge proxy`` (first-token flow)
 nixl-router         P (0) and D (1), vLLM's NixlConnector, stock settings
