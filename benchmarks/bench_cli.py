@@ -1,4 +1,4 @@
-"""``kvbridge bench {transfer,kernels,paged,e2e,vllm,all}``: run, show, save and plot benchmarks.
+"""``kvbridge bench {transfer,kernels,paged,e2e,vllm,serve,all}``: run, show, save, plot benchmarks.
 
 ``kvbridge/cli/bench.py`` hands the arguments after ``bench`` to :func:`main` (the
 benchmarks live in the source checkout, not in the wheel). Each subcommand runs
@@ -6,7 +6,8 @@ one benchmark module's ``run()`` with a progress bar (tqdm on a terminal, plain
 lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
 result plus the machine it ran on) and ``<out>/<name>.png``. See
 ``docs/benchmarks.md`` for what each number means. ``all`` runs every one but
-``vllm``, which needs vLLM installed (``make setup-vllm``) and several minutes.
+``vllm`` and ``serve``, which need vLLM installed (``make setup-vllm``) and
+several minutes (``serve``: tens of minutes).
 
 ``transfer --netns`` runs every system between two network-namespace hosts
 over TCP (``benchmarks/peers/placement.py``) and writes ``transfer_netns.json``
@@ -122,6 +123,13 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
                               [c for c in args.connectors.split(",") if c], args.model,
                               args.out, args.kvbridge_extra, args.cores, progress,
                               args.model_kind)
+    if name == "serve":
+        from benchmarks import serve_bench
+
+        return serve_bench.run(args.quick, [c for c in args.configs.split(",") if c],
+                               args.workloads, args.rates, args.concurrency, args.num_prompts,
+                               args.repeats, args.slo_ttft_ms, args.slo_tpot_ms, args.model,
+                               args.out, args.cores, args.point_timeout_s, progress)
     from benchmarks import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
@@ -180,6 +188,33 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _float_list(text: str) -> list[float]:
+    """Comma-separated positive numbers; '' is the empty list (no such points)."""
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _int_list_or_none(text: str) -> list[int]:
+    """As ``_int_list``, but '' is the empty list (no such points)."""
+    return _int_list(text) if text.strip(",") else []
+
+
+def _workload(text: str) -> str:
+    from benchmarks.serve_bench import parse_workload
+
+    try:
+        parse_workload(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -203,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
              "transfer": "TransferAgent GB/s and latency beside NIXL, Mooncake, ucx_perftest",
              "e2e": "TTFT and decode tokens/s, P/D against colocated",
              "vllm": "TTFT and KV load time of P/D in vLLM: kvbridge, NixlConnector, colocated",
-             "all": "every benchmark above but vllm, one after another"}
+             "serve": "goodput and latency under load (vllm bench serve): P/D behind "
+                      "vllm-router and kvbridge proxy vs colocated",
+             "all": "every benchmark above but vllm and serve, one after another"}
     subs = {name: sub.add_parser(name, parents=[common], help=text)
             for name, text in helps.items()}
     for name in ("transfer", "all"):
@@ -248,7 +285,41 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--kvbridge-extra", type=_json_object, default=None,
                       help="kv_connector_extra_config of kvbridge's P and D, "
                            "e.g. '{\"idle_wait_s\": 0.005}'")
+    _add_serve_options(subs["serve"])
     return parser
+
+
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    from benchmarks.serve_configs import CONFIGS
+
+    default_configs = ",".join(CONFIGS)
+    serve.add_argument("--configs", default=default_configs,
+                       help=f"configurations, run one at a time (default {default_configs})")
+    serve.add_argument("--workloads", type=_workload, nargs="+", default=None,
+                       help="short (256 in / 64 out), long (2048 / 128) or IN/OUT "
+                            "(default: short long; --quick: short)")
+    serve.add_argument("--rates", type=_float_list, default=None,
+                       help="Poisson request rates, req/s, for every workload ('' for none; "
+                            "default short 1,2,4,6, long 0.5,1,1.5; --quick 2)")
+    serve.add_argument("--concurrency", type=_int_list_or_none, default=None,
+                       help="concurrency points ('' for none; default short 1,4,16, "
+                            "long 1,2,8; --quick 4)")
+    serve.add_argument("--num-prompts", type=int, default=None,
+                       help="requests per point (default short 40, long 20; --quick 8)")
+    serve.add_argument("--repeats", type=int, default=1,
+                       help="times the whole sweep runs, new prompts each time (default 1)")
+    serve.add_argument("--slo-ttft-ms", type=float, default=None,
+                       help="goodput SLO on TTFT for every workload (default short 1000, "
+                            "long 2500)")
+    serve.add_argument("--slo-tpot-ms", type=float, default=None,
+                       help="goodput SLO on TPOT for every workload (default 100)")
+    serve.add_argument("--model", default=None,
+                       help="model folder (default: kvbridge bench vllm's random Llama)")
+    serve.add_argument("--cores", choices=["split", "shared"], default="split",
+                       help="split (default): colocated replica 0 and P on core 0, replica 1 "
+                            "and D on core 1; shared: every server on every core")
+    serve.add_argument("--point-timeout-s", type=float, default=None,
+                       help="longest one point may run (default 900, --quick 300)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

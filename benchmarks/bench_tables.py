@@ -25,7 +25,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
         return str(value)
 
     cells = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)) + " |",
              "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
     lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |"
@@ -161,9 +161,75 @@ def vllm_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _load(point: dict[str, Any]) -> str:
+    return (f"{point['rate']:g}/s" if point["sweep"] == "rate"
+            else f"c={point['concurrency']}")
+
+
+def serve_goodput_rate(points: list[dict[str, Any]], attainment: float = 0.9) -> float | None:
+    """DistServe's goodput: the highest swept rate at which every run met both SLOs
+    for at least ``attainment`` of its completed requests (None: no rate did)."""
+    by_rate: dict[float, list[float]] = {}
+    for p in points:
+        if p["sweep"] == "rate":
+            by_rate.setdefault(p["rate"], []).append(p["slo_attainment"])
+    good = [rate for rate, shares in by_rate.items() if min(shares) >= attainment]
+    return max(good, default=None)
+
+
+def serve_table(report: dict[str, Any]) -> str:
+    """Per configuration, workload and sweep point: counts, throughput, goodput, latency
+    percentiles (one row per repeat); then each configuration's goodput rate, skips, errors."""
+    headers = ["workload", "load", "config", "ok/short/failed", "req/s", "out tok/s",
+               "goodput req/s", "SLO met", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+               "ITL p50", "ITL p99", "load avg"]
+    configs = report["configs"]
+    rows = []
+    for name, result in configs.items():
+        for p in result.get("points", []):
+            short = "?" if p.get("num_short") is None else p["num_short"]
+            rows.append([p["workload"], _load(p), name,
+                         f"{p['completed']}/{short}/{p['failed']}",
+                         p["request_throughput"], p["output_throughput"],
+                         p["request_goodput"], f"{100 * p['slo_attainment']:.0f}%",
+                         p["p50_ttft_ms"], p["p99_ttft_ms"], p["p50_tpot_ms"],
+                         p["p99_tpot_ms"], p["p50_itl_ms"], p["p99_itl_ms"], p["loadavg"]])
+    order = list(configs)
+    rows.sort(key=lambda r: (r[0], str(r[1])[:2] == "c=", float(str(r[1]).strip("c=/s")),
+                             order.index(str(r[2]))))
+    settings = report["settings"]
+    lines = [markdown_table(headers, rows), "", "times in ms; load: Poisson rate or "
+             "concurrency; ok: completed (vllm bench serve: a first token came), of which "
+             "short: fewer tokens than asked; SLO met: share of completed requests within "
+             "both SLOs"]
+    for name, w in settings["workloads"].items():
+        lines.append(f"- workload {name}: {w['input_len']} in / {w['output_len']} out, "
+                     f"{w['num_prompts']} prompts per point, SLO TTFT {w['slo_ttft_ms']:g} ms "
+                     f"and TPOT {w['slo_tpot_ms']:g} ms")
+        for config, result in configs.items():
+            points = [p for p in result.get("points", []) if p["workload"] == name]
+            if points:
+                rate = serve_goodput_rate(points)
+                lines.append(f"  - {config}: highest rate with >= 90% within SLO: "
+                             f"{'none' if rate is None else f'{rate:g} req/s'}")
+    lines.append(f"\nmodel {settings['model']}; cores {settings['cores']}; "
+                 f"{settings['repeats']} repeat(s)")
+    for name, result in configs.items():
+        for p in result.get("points", []):
+            if p.get("first_error"):
+                error = " ".join(p["first_error"].split())[-300:]
+                lines.append(f"\n{name} {p['workload']} {_load(p)}, first error: {error}")
+        if "skipped" in result:
+            lines.append(f"\n{name} SKIPPED: {result['skipped']}")
+        if "error" in result:
+            lines.append(f"\n{name} FAILED after {len(result['points'])} point(s): "
+                         f"{result['error']}")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "transfer": transfer_table, "kernels": kernels_table, "paged": paged_table,
-    "e2e": e2e_table, "vllm": vllm_table,
+    "e2e": e2e_table, "vllm": vllm_table, "serve": serve_table,
 }
 
 
@@ -175,6 +241,12 @@ def passed(name: str, report: dict[str, Any]) -> bool:
             for r in rows if r["peer"] in ("nixl", "mooncake"))
     if name == "e2e":
         return bool(report["all_match"])
+    if name == "serve":  # kvbridge's configurations ran every point, every answer whole
+        return all("error" not in result and not any(
+            p["failed"] or p.get("num_short") or p["missing_output_tokens"] > 0
+            for p in result["points"])
+                   for config, result in report["configs"].items()
+                   if config.startswith("kvbridge") and "skipped" not in result)
     if name == "vllm":  # kvbridge's D loaded KV for every length, without a failed read
         ours = report["configs"].get("kvbridge")
         return ours is None or ("error" not in ours and all(

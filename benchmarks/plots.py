@@ -164,12 +164,69 @@ def plot_vllm(report: dict[str, Any], fig: Any) -> None:
                  + (f" (failed: {', '.join(failed)})" if failed else ""))
 
 
+_SERVE_COLORS = {"colocated": "tab:gray", "kvbridge-router": "tab:red",
+                 "kvbridge-proxy": "tab:orange", "nixl-router": "tab:blue"}
+
+
+def plot_serve(report: dict[str, Any], fig: Any) -> None:
+    """Per workload (a row of three): goodput, TTFT p99 and TPOT p99 against the Poisson
+    rate, one line per configuration (repeats: their median, the range as error bars)."""
+    import statistics
+
+    workloads = report["settings"]["workloads"]
+    for i, (workload, w) in enumerate(workloads.items()):
+        for j, (key, label) in enumerate((("request_goodput", "goodput req/s"),
+                                          ("p99_ttft_ms", "TTFT p99 ms (log)"),
+                                          ("p99_tpot_ms", "TPOT p99 ms (log)"))):
+            ax = fig.add_subplot(len(workloads), 3, 3 * i + j + 1)
+            for name, result in report["configs"].items():
+                by_rate: dict[float, list[float]] = {}
+                for p in result.get("points", []):
+                    if p["workload"] == workload and p["sweep"] == "rate":
+                        by_rate.setdefault(p["rate"], []).append(p[key] or 0.0)
+                if not by_rate:
+                    continue
+                rates = sorted(by_rate)
+                mid = [statistics.median(by_rate[r]) for r in rates]
+                spread = [[m - min(by_rate[r]) for r, m in zip(rates, mid, strict=True)],
+                          [max(by_rate[r]) - m for r, m in zip(rates, mid, strict=True)]]
+                ax.errorbar(rates, mid, yerr=spread, fmt="-o", capsize=3, label=name,
+                            color=_SERVE_COLORS.get(name))
+            if key == "request_goodput":
+                ax.plot([0, max(w["rates"], default=1)], [0, max(w["rates"], default=1)],
+                        ":", color="black", linewidth=0.8, label="offered rate")
+            else:
+                from matplotlib.ticker import FuncFormatter  # _pyplot() has imported it
+
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(FuncFormatter(  # label 2s and 5s only
+                    lambda v, _pos: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+                ax.tick_params(axis="y", which="minor", labelsize=7)
+                slo = w["slo_ttft_ms"] if "ttft" in key else w["slo_tpot_ms"]
+                ax.axhline(slo, linestyle="--", color="black", linewidth=0.8, label="SLO")
+            ax.set_xlabel("request rate, req/s (Poisson)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{workload}: {w['input_len']} in / {w['output_len']} out",
+                         fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if j == 0:
+                ax.legend(fontsize=7)
+    skipped = [n for n, r in report["configs"].items() if "skipped" in r]
+    failed = [n for n, r in report["configs"].items() if "error" in r]
+    notes = (f" (skipped: {', '.join(skipped)})" if skipped else "") + \
+        (f" (failed: {', '.join(failed)})" if failed else "")
+    fig.suptitle(f"vllm bench serve, {report['settings']['model']}, CPU, cores "
+                 f"{report['settings']['cores']}{notes}", fontsize=10)
+
+
 PLOTTERS: dict[str, tuple[Callable[[dict[str, Any], Any], None], tuple[float, float]]] = {
     "transfer": (plot_transfer, (8.0, 5.0)),
     "kernels": (plot_kernels, (9.0, 7.0)),
     "paged": (plot_paged, (11.0, 4.5)),
     "e2e": (plot_e2e, (10.0, 4.0)),
     "vllm": (plot_vllm, (13.0, 4.0)),
+    "serve": (plot_serve, (13.0, 7.0)),
 }
 
 

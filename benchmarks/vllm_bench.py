@@ -251,28 +251,28 @@ def _row(name: str, length: int, times: list[dict[str, float]], servers: list[Vl
     return row
 
 
-def _core(split: bool, core: int) -> dict[str, Any]:
+def core_placement(split: bool, core: int) -> dict[str, Any]:
     """``VllmServer`` arguments that keep a server on ``core`` (split) or on any (shared)."""
     if not split:
         return {"env": {}, "cpus": None}
     return {"env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}, "cpus": frozenset({core})}
 
 
-def _servers(name: str, model: Path, log_dir: Path, extra: dict[str, Any],
-             split: bool, block_size: int) -> list[VllmServer]:
+def config_servers(name: str, model: Path, log_dir: Path, extra: dict[str, Any],
+                   split: bool, block_size: int) -> list[VllmServer]:
     """The servers of configuration ``name``: [colocated] or [P, D]."""
     config = CONNECTORS[name]
     if config is None:
         [port] = reserve_ports([1])
         return [VllmServer("colocated", model, port, log_dir / "colocated.log",
-                           block_size=block_size, **_core(split, 0))]
+                           block_size=block_size, **core_placement(split, 0))]
     if name.startswith("kvbridge") and extra:
         config = {**config, "kv_connector_extra_config": extra}
     ports = reserve_ports([1, 1, 1, 1])
     servers = []
     for core, role, port, side_port in ((0, "P", ports[0], ports[2]),
                                         (1, "D", ports[1], ports[3])):
-        placement = _core(split, core)
+        placement = core_placement(split, core)
         if name == "nixl":
             placement["env"].update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                                     VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
@@ -289,8 +289,8 @@ def run_config(name: str, model: Path, plan: dict[str, Any], log_dir: Path,
     An error (a server that does not start, a failed request) is recorded in
     the result with the rows measured before it.
     """
-    servers = _servers(name, model, log_dir, plan["kvbridge_extra"], plan["cores"] == "split",
-                       plan["block_size"])
+    servers = config_servers(name, model, log_dir, plan["kvbridge_extra"],
+                             plan["cores"] == "split", plan["block_size"])
     request = {"colocated": colocated_request,
                "kvbridge": pd_first_token_request}.get(name, pd_request)
     vocab = plan["prompt_vocab"]

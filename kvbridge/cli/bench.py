@@ -28,7 +28,7 @@ def add_bench_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
     """Register ``bench`` (sets ``func``); every word after it, options and ``--help``
     too, goes to ``benchmarks/bench_cli.py``."""
     bench = subparsers.add_parser("bench", add_help=False, prefix_chars="\0",
-                                  help="transfer | kernels | paged | e2e | vllm | all "
+                                  help="transfer | kernels | paged | e2e | vllm | serve | all "
                                   "(see docs/benchmarks.md)")
     bench.add_argument("bench_args", nargs="*")
     bench.set_defaults(func=_cmd_bench)

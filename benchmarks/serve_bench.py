@@ -1,0 +1,255 @@
+"""``kvbridge bench serve``: goodput and latency under load (vllm bench serve), P/D vs colocated.
+
+Called by ``benchmarks/bench_cli.py``. For each configuration in turn
+(``benchmarks/serve_configs.py``: colocated replicas behind vllm-router;
+kvbridge's P and D behind vllm-router and behind ``kvbridge proxy``;
+NixlConnector's behind vllm-router) it starts the servers and the front end,
+runs vLLM's own load generator once per sweep point
+(``benchmarks/serve_client.py``), and stops them all before the next one.
+
+Sweep, per workload (random prompts of ``input_len`` tokens, answers of
+``output_len``, EOS ignored, greedy)::
+
+    rate points:        Poisson arrivals at r req/s, no cap on requests in flight
+    concurrency points: every request sent at once, at most c in flight
+
+Each point's prompts come from its own seed, the same in every
+configuration: the configurations see the same requests, and no point
+repeats another's prompts (P's prefix cache would answer them). Before the
+sweep, 4 requests of the first workload warm each configuration up (not
+reported); between points the benchmark waits until no server has a request
+running or waiting.
+Goodput is vLLM's ``request_goodput``: requests per second that met both the
+TTFT and the TPOT SLO of the workload; ``slo_attainment`` is their share.
+
+A configuration whose tool is missing (vllm-router, nixl) is reported as
+skipped with the install command; one that fails keeps the points measured
+before the failure and the error.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import serve_configs
+from benchmarks.serve_client import ClientError, Point, parse_result, run_point
+from benchmarks.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
+from benchmarks.vllm_servers import ServerError, VllmServer, scrape, start_all, total
+
+Progress = Callable[[str, int, int], None]
+
+_BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt and answer lengths, the sweep, and the goodput SLOs of one workload."""
+
+    input_len: int
+    output_len: int
+    rates: tuple[float, ...]
+    concurrency: tuple[int, ...]
+    num_prompts: int
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+
+
+WORKLOADS = {
+    "short": Workload(256, 64, rates=(1.0, 2.0, 4.0, 6.0), concurrency=(1, 4, 16),
+                      num_prompts=40, slo_ttft_ms=1000.0, slo_tpot_ms=100.0),
+    "long": Workload(2048, 128, rates=(0.5, 1.0, 1.5), concurrency=(1, 2, 8),
+                     num_prompts=20, slo_ttft_ms=2500.0, slo_tpot_ms=100.0),
+}
+QUICK: dict[str, Any] = {"workloads": ("short",), "rates": (2.0,), "concurrency": (4,),
+                         "num_prompts": 8, "point_timeout_s": 300.0}
+FULL: dict[str, Any] = {"workloads": ("short", "long"), "point_timeout_s": 900.0}
+
+
+def parse_workload(text: str) -> tuple[str, Workload]:
+    """``short``, ``long``, or ``IN/OUT`` (token counts; short's sweep and SLOs).
+
+    Raises:
+        ValueError: neither a known name nor two positive integers.
+    """
+    if text in WORKLOADS:
+        return text, WORKLOADS[text]
+    try:
+        input_len, output_len = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"workload {text!r}: expected {' or '.join(WORKLOADS)} or IN/OUT "
+                         f"token counts such as 512/32") from None
+    if input_len < 1 or output_len < 2:  # TPOT needs a second token
+        raise ValueError(f"workload {text!r}: needs >= 1 input and >= 2 output tokens")
+    return text, replace(WORKLOADS["short"], input_len=input_len, output_len=output_len)
+
+
+def plan_points(workloads: dict[str, Workload], repeats: int) -> list[tuple[str, str, Point]]:
+    """(workload name, sweep kind, point) in run order; each point gets its own seed."""
+    points: list[tuple[str, str, Point]] = []
+    for _ in range(repeats):
+        for name, w in workloads.items():
+            sweep: list[tuple[str, float | None, int | None]] = [
+                ("rate", r, None) for r in w.rates]
+            sweep += [("concurrency", None, c) for c in w.concurrency]
+            for kind, rate, concurrency in sweep:
+                seed = 1000 + len(points)
+                points.append((name, kind, Point(
+                    w.input_len, w.output_len, max(w.num_prompts, 2 * (concurrency or 1)),
+                    rate, concurrency, w.slo_ttft_ms, w.slo_tpot_ms, seed)))
+    return points
+
+
+def wait_idle(servers: list[VllmServer], timeout_s: float = 120.0) -> None:
+    """Block until no server has a request running or waiting.
+
+    Raises:
+        ServerError: still busy after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {s.name: sum(total(scrape(s.url), name) for name in _BUSY) for s in servers}
+        if not any(busy.values()):
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(f"requests still running or waiting {timeout_s:.0f} s after "
+                              f"the point ended: {busy}")
+        time.sleep(0.5)
+
+
+def _warm_up(name: str, first: Point, url: str, model: Path, out: Path,
+             plan: dict[str, Any]) -> dict[str, Any]:
+    """A few requests of the first workload before the sweep, not reported with it: the
+    first requests of a server (and P/D's first read, which connects) take longer.
+    Its own seed: the sweep's prompts stay new to the servers."""
+    point = replace(first, num_prompts=4, rate=None, concurrency=2, seed=1)
+    raw = run_point(point, url, model, out / "serve-results" / f"{name}-warmup.json",
+                    out / "serve-logs" / f"client-{name}-warmup.log", plan["point_timeout_s"])
+    return {k: raw[k] for k in ("completed", "failed", "duration")}
+
+
+def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out: Path,
+               plan: dict[str, Any], tick: Callable[[str], None]) -> dict[str, Any]:
+    """Start configuration ``name``, run every point against its front end, stop it."""
+    missing = serve_configs.missing_tool(name)
+    if missing:
+        for _ in points:
+            tick(f"{name} skipped")
+        return {"skipped": missing}
+    log_dir = out / "serve-logs"
+    servers = serve_configs.servers(name, model, log_dir, plan["cores"] == "split",
+                                    plan["block_size"])
+    front: serve_configs.FrontEnd | None = None
+    result: dict[str, Any] = {"points": [], "loadavg_start": os.getloadavg(),
+                              "logs": [str(s.log_path) for s in servers]}
+    done = 0
+    try:
+        start_all(servers)
+        front = serve_configs.front_end(name, servers, log_dir)
+        result["logs"].append(str(front.log_path))
+        front.start()
+        result["warmup"] = _warm_up(name, points[0][2], front.url, model, out, plan)
+        wait_idle(servers)
+        for workload, kind, point in points:
+            label = f"{name}-{workload}-{kind}-{point.rate or point.concurrency:g}-s{point.seed}"
+            row: dict[str, Any] = {"workload": workload, "sweep": kind, "rate": point.rate,
+                                   "concurrency": point.concurrency, "seed": point.seed,
+                                   "input_len": point.input_len,
+                                   "output_len": point.output_len,
+                                   "loadavg": os.getloadavg()[0]}
+            result_path = out / "serve-results" / f"{label}.json"
+            raw = run_point(point, front.url, model, result_path,
+                            log_dir / f"client-{label}.log", plan["point_timeout_s"])
+            row.update(parse_result(raw, point.output_len), result_file=str(result_path))
+            result["points"].append(row)
+            done += 1
+            tick(label)
+            wait_idle(servers)
+    except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if front is not None:
+            front.stop()
+        for server in servers:
+            server.stop()
+        for _ in points[done:]:
+            tick(f"{name} stopped")
+    result["loadavg_end"] = os.getloadavg()
+    return result
+
+
+def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | None = None,
+        rates: list[float] | None = None, concurrency: list[int] | None = None,
+        num_prompts: int | None = None, repeats: int = 1, slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None, model: str | None = None, out: str = "bench-out",
+        cores: str = "split", point_timeout_s: float | None = None,
+        progress: Progress | None = None) -> dict[str, Any]:
+    """Run every configuration in ``configs`` over the sweep; the report.
+
+    Args:
+        quick: The short workload at one rate and one concurrency, 8 prompts each.
+        configs: Names from ``serve_configs.CONFIGS``, run in that order (default: all).
+        workloads: ``short``, ``long`` or ``IN/OUT`` (default: short and long; quick: short).
+        rates: Poisson rates (req/s) for every workload, overriding each one's own;
+            an empty list: no rate points.
+        concurrency: Concurrency points, as ``rates``.
+        num_prompts: Requests per point (at least twice the concurrency).
+        repeats: Times the whole sweep runs (each with new prompts).
+        slo_ttft_ms, slo_tpot_ms: Goodput SLOs for every workload.
+        model: Model folder; default: ``kvbridge bench vllm``'s dense random Llama.
+        out: Raw ``vllm bench serve`` JSON goes to ``<out>/serve-results``, logs to
+            ``<out>/serve-logs``.
+        cores: "split" (a server per core, as ``kvbridge bench vllm``) or "shared".
+        point_timeout_s: Longest one point may run.
+
+    Raises:
+        ValueError: an unknown configuration or workload, no point to run, repeats
+            < 1, "split" on < 2 cores.
+    """
+    configs = configs or list(serve_configs.CONFIGS)
+    for name in configs:
+        serve_configs.missing_tool(name)  # raises ValueError on an unknown name
+    if cores not in ("split", "shared"):
+        raise ValueError(f"cores {cores!r}: expected 'split' or 'shared'")
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats}: expected at least 1")
+    if cores == "split" and len(os.sched_getaffinity(0)) < 2:
+        raise ValueError("cores 'split' needs 2 cores")
+    base = QUICK if quick else FULL
+    chosen = dict(parse_workload(w) for w in (workloads or base["workloads"]))
+    overrides: dict[str, Any] = {
+        "rates": tuple(rates) if rates is not None else base.get("rates"),
+        "concurrency": tuple(concurrency) if concurrency is not None
+        else base.get("concurrency"),
+        "num_prompts": num_prompts or base.get("num_prompts"),
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
+    chosen = {name: replace(w, **{k: v for k, v in overrides.items() if v is not None})
+              for name, w in chosen.items()}
+    points = plan_points(chosen, repeats)
+    if not points:
+        raise ValueError("nothing to run: every workload has no rate and no concurrency point")
+    plan = {"cores": cores, "block_size": BLOCK_SIZES["dense"],
+            "point_timeout_s": point_timeout_s or base["point_timeout_s"]}
+    progress = progress or (lambda _label, _done, _total: None)
+    ticks: list[str] = []
+
+    def tick(label: str) -> None:
+        ticks.append(label)
+        progress(label, len(ticks), len(points) * len(configs))
+
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-serve-") as tmp:
+        model_dir = Path(model) if model else build_model(Path(tmp) / "model", "dense")
+        results = {name: run_config(name, points, model_dir, Path(out), plan, tick)
+                   for name in configs}
+    settings = {**plan, "configs": configs, "repeats": repeats,
+                "workloads": {name: asdict(w) for name, w in chosen.items()},
+                "model": model or f"{MODEL_LABELS['dense']} (built)",
+                "model_shape": BENCH_MODEL if not model else None}
+    return {"settings": settings, "configs": results}
