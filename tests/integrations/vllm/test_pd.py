@@ -38,6 +38,7 @@ from tests.integrations.vllm.pd import (
     FAILURES,
     HELD_BYTES,
     HELD_REQUESTS,
+    LATE_SYNC_LOADS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
     SYNC_BLOCKS,
@@ -413,7 +414,11 @@ def test_eight_requests_at_once_through_kvbridge_proxy_sync_and_async_loads(
     assert [answer.token_ids for answer in answers] == expected
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) >= before[TRANSFERS] + 8)
     assert after[TRANSFERS] == before[TRANSFERS] + 8
-    assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    num_late = after[LATE_SYNC_LOADS] - before[LATE_SYNC_LOADS]
+    if not num_late:
+        assert after[SYNC_LOADS] == before[SYNC_LOADS] + num_sync
+    else:  # a loaded machine: a late load (recomputed) turns P cold, later loads go async
+        assert 0 < after[SYNC_LOADS] - before[SYNC_LOADS] <= num_sync
     wait_usage(p.base_url)
     wait_usage(d.base_url)
 
