@@ -115,8 +115,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-            self._worker = VllmWorkerSide(facts, settings, get_tp_group().rank_in_group,
-                                          get_pp_group().rank_in_group)
+            self._worker = VllmWorkerSide(
+                facts, settings, get_tp_group().rank_in_group, get_pp_group().rank_in_group,
+                recompute=transfer_config.kv_load_failure_policy == "recompute")
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

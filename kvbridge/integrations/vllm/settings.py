@@ -32,7 +32,7 @@ from kvbridge.transfer.protocol.security import load_cluster_secret
 __all__ = ["SYNC_LOAD_MAX_BYTES", "VllmSettings", "for_data_parallel_rank",
            "for_failure_policy", "parse_settings"]
 
-#: ``sync_load_max_bytes`` where a late synchronous load is recomputed, not failed.
+#: ``sync_load_max_bytes`` by default under ``kv_load_failure_policy`` ``recompute``.
 SYNC_LOAD_MAX_BYTES = 4 << 20
 
 _FIX = ('set "secret_file" in kv_connector_extra_config (or $KVBRIDGE_SECRET in every '
@@ -84,15 +84,18 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (about a millisecond per MiB on one host). Larger loads run
             asynchronously while other requests keep stepping. 0: every load
             asynchronous. Default (None): 4 MiB when D's
-            ``kv_load_failure_policy`` is ``recompute``, where a load late for
-            its deadline costs a small local recompute; 0 under vLLM's default
-            ``fail``, where it would fail a request whose read was merely slow
-            (:func:`for_failure_policy`). Set it under ``fail`` to accept that.
-        sync_load_deadline_s: the forward waits at most this long for the
-            step's synchronous loads (default 0.25 s); a load still running
-            then counts as failed and its blocks are recomputed (or the
-            request fails, as ``kv_load_failure_policy`` says), so a slow or
-            stopped P never stalls the whole batch for longer.
+            ``kv_load_failure_policy`` is ``recompute`` (the forward then waits
+            for the read to end, see ``sync_load_deadline_s``); 0 under vLLM's
+            default ``fail``, where a load late for its deadline would fail a
+            request whose read was merely slow (:func:`for_failure_policy`).
+            Set it under ``fail`` to accept that.
+        sync_load_deadline_s: under ``kv_load_failure_policy`` ``fail``, the
+            forward waits at most this long for the step's synchronous loads
+            (default 0.25 s); a load still running then counts as failed (vLLM
+            fails its request; its blocks are kept until the read ends), so a
+            slow or stopped P never stalls the whole batch for longer. Under
+            ``recompute`` the forward waits for the read to end: vLLM would
+            recompute into the blocks the given-up read goes on writing.
         model_id: identity P and D must share (default: the model's name
             and its architecture's sizes). Set it when P and D load the same
             weights from differently named paths.
@@ -176,12 +179,12 @@ def parse_settings(extra_config: object) -> VllmSettings:
 def for_failure_policy(settings: VllmSettings, policy: str) -> VllmSettings:
     """The settings with ``sync_load_max_bytes`` set for D's ``kv_load_failure_policy``.
 
-    A synchronous load still running at ``sync_load_deadline_s`` counts as a
-    failed load. Under ``recompute`` that costs a local recompute of a small
-    prompt; under ``fail`` (vLLM's default) it would end a request in an error
-    because P or the machine was slow for a moment. So, unless the deployment
-    set ``sync_load_max_bytes``, loads are synchronous (up to
-    ``SYNC_LOAD_MAX_BYTES``) only under ``recompute``.
+    Under ``fail`` (vLLM's default) a synchronous load still running at
+    ``sync_load_deadline_s`` ends its request in an error because P or the
+    machine was slow for a moment; under ``recompute`` the forward waits for
+    the read instead. So, unless the deployment set ``sync_load_max_bytes``,
+    loads are synchronous (up to ``SYNC_LOAD_MAX_BYTES``) only under
+    ``recompute``.
     """
     if settings.sync_load_max_bytes is not None:
         return settings

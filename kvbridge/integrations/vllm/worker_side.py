@@ -20,7 +20,12 @@ Synchronous loads (``StepMetadata.sync_loads``, small reads the step's forward
 computes on): ``start_load_kv`` returns when they have ended, well or not, or
 when their deadline (``VllmSettings.sync_load_deadline_s``) has passed,
 whichever comes first: a slow or stopped P never holds the whole batch for
-longer. What the agent reported meanwhile is kept and reported by this
+longer. Not under ``kv_load_failure_policy`` ``recompute``: vLLM would
+recompute the request into the same blocks while the given-up read goes on
+writing them (whole blocks: the slots of D's new tokens too, so later tokens
+would be wrong; seen in CI). There the forward waits for the read to end, on
+the agent's own deadlines; ending a late read before its blocks are reused
+is not built yet. What the agent reported meanwhile is kept and reported by this
 step's ``get_finished``, failed blocks included, so vLLM drops a token
 computed on blocks that did not arrive. A load still running at its deadline
 counts as failed: its blocks are reported invalid at once (vLLM recomputes
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -79,9 +85,12 @@ class VllmWorkerSide:
     """
 
     def __init__(self, facts: EngineFacts, settings: VllmSettings, tp_rank: int,
-                 pp_rank: int) -> None:
+                 pp_rank: int, *, recompute: bool = False) -> None:
         self.facts, self.settings = facts, settings
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
+        # vLLM recomputes a failed load into the same blocks: a load given up at its
+        # deadline would go on writing them (whole blocks, D's new tokens' slots too)
+        self._waits_for_late_loads = recompute
         self._worker: ConnectorWorker | None = None
         self._news = threading.Event()  # set from the agent's thread: something ended
         self._sending: set[str] = set()  # reported by the agent, not yet to vLLM
@@ -153,7 +162,8 @@ class VllmWorkerSide:
         """
         self._num_sync_loads += len(blocks)
         waiting = set(blocks)
-        deadline = time.monotonic() + self.settings.sync_load_deadline_s
+        deadline = (math.inf if self._waits_for_late_loads
+                    else time.monotonic() + self.settings.sync_load_deadline_s)
         while True:
             self._news.clear()
             self._collect(worker, worker.get_output())
@@ -161,7 +171,7 @@ class VllmWorkerSide:
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
                 break
-            self._news.wait(left)
+            self._news.wait(min(left, 1.0))
         if not waiting:
             return
         logger.warning("synchronous loads of %s still running after %.3fs "
