@@ -175,8 +175,9 @@ class VllmWorkerSide:
         if not waiting:
             return
         logger.warning("synchronous loads of %s still running after %.3fs "
-                       "(sync_load_deadline_s): their blocks are recomputed; the reads go "
-                       "on in the background", sorted(waiting), self.settings.sync_load_deadline_s)
+                       "(sync_load_deadline_s): given up, vLLM fails their requests "
+                       "(kv_load_failure_policy fail); the reads go on in the background",
+                       sorted(waiting), self.settings.sync_load_deadline_s)
         self._num_late_sync_loads += len(waiting)
         for request_id in waiting:
             self._late[request_id] = blocks[request_id]
