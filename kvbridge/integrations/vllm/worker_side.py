@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -90,7 +89,9 @@ class VllmWorkerSide:
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         # vLLM recomputes a failed load into the same blocks: a load given up at its
         # deadline would go on writing them (whole blocks, D's new tokens' slots too)
-        self._waits_for_late_loads = recompute
+        # there the wait ends with the read, which the agent ends by read_timeout_s;
+        # the backstop below only keeps a broken agent from stopping vLLM for good
+        self._late_backstop_s = settings.agent_config().read_timeout_s + 5.0 if recompute else 0.0
         self._worker: ConnectorWorker | None = None
         self._news = threading.Event()  # set from the agent's thread: something ended
         self._sending: set[str] = set()  # reported by the agent, not yet to vLLM
@@ -162,8 +163,8 @@ class VllmWorkerSide:
         """
         self._num_sync_loads += len(blocks)
         waiting = set(blocks)
-        deadline = (math.inf if self._waits_for_late_loads
-                    else time.monotonic() + self.settings.sync_load_deadline_s)
+        deadline = time.monotonic() + (self._late_backstop_s
+                                       or self.settings.sync_load_deadline_s)
         while True:
             self._news.clear()
             self._collect(worker, worker.get_output())
@@ -175,9 +176,10 @@ class VllmWorkerSide:
         if not waiting:
             return
         logger.warning("synchronous loads of %s still running after %.3fs "
-                       "(sync_load_deadline_s): given up, vLLM fails their requests "
-                       "(kv_load_failure_policy fail); the reads go on in the background",
-                       sorted(waiting), self.settings.sync_load_deadline_s)
+                       "(sync_load_deadline_s, or the agent's read_timeout_s under "
+                       "recompute): given up, vLLM fails or recomputes their requests; the "
+                       "reads go on in the background", sorted(waiting),
+                       self._late_backstop_s or self.settings.sync_load_deadline_s)
         self._num_late_sync_loads += len(waiting)
         for request_id in waiting:
             self._late[request_id] = blocks[request_id]
