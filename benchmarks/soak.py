@@ -70,12 +70,15 @@ class Proc:
     log: Path
     proc: subprocess.Popen[str] | None = None
     url: str = ""
+    #: how Python runs the CLI, and what is added to the environment
+    command: tuple[str, ...] = ("-m", "kvbridge.cli")
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_LOG_LEVEL": "fatal"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_LOG_LEVEL": "fatal", **self.env}
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.cli", *self.argv], stdout=subprocess.PIPE,
+                [sys.executable, *self.command, *self.argv], stdout=subprocess.PIPE,
                 stderr=log, text=True, env=env, start_new_session=True)
 
     def wait_ready(self) -> None:
@@ -267,6 +270,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          str(p_transfer), "--engine-id", "soak-p", "--lease", str(args.lease),
                          *_options(args.prefill_option)],
              log_dir / "prefill.log")
+    if args.prefill_chunk_delay_s:
+        from tests import slow_serving  # a source checkout's test helper
+
+        p.command = slow_serving.COMMAND
+        p.env = slow_serving.chunk_delay_env(args.prefill_chunk_delay_s)
     d = Proc("decode", [*common, "--port", "0", "--role", "decode", "--block-size", "32",
                         "--kv-layout", "HND", "--num-blocks", "48", "--transfer-port",
                         str(d_transfer), *_options(args.decode_option)], log_dir / "decode.log")
@@ -363,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest wait for every engine to free all blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefill-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="a transfer option of P (as serve --transfer-option), e.g. "
-                             "test_chunk_delay_s=0.05 to widen the reads the kill lands in")
+                        help="a transfer option of P (as serve --transfer-option)")
+    parser.add_argument("--prefill-chunk-delay-s", type=float, default=0.0, metavar="SECONDS",
+                        help="P waits this long before each data chunk it serves, to widen "
+                             "the reads the kill lands in (tests/slow_serving.py: a source "
+                             "checkout only)")
     parser.add_argument("--decode-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a transfer option of D (as serve --transfer-option)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")

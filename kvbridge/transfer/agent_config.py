@@ -22,8 +22,6 @@ from kvbridge.errors import ConfigError
 _FINITE_MAX = sys.float_info.max
 #: Seconds, finite and > 0.
 _Seconds = Annotated[float, msgspec.Meta(gt=0, le=_FINITE_MAX)]
-#: Seconds, finite and >= 0 (0: off).
-_SecondsOrOff = Annotated[float, msgspec.Meta(ge=0, le=_FINITE_MAX)]
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _PositiveOrOff = Annotated[int, msgspec.Meta(ge=0)]
 _UpTo64 = Annotated[int, msgspec.Meta(gt=0, le=64)]
@@ -96,9 +94,6 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             one per reader rank and peer); a connection beyond it is refused
             with a typed ``busy`` reject, so a flood of connections cannot take
             the agent's memory or tasks.
-        test_chunk_delay_s: TEST ONLY, never set in production (0: off). The server
-            sleeps this long before sending each data chunk, so that fault tests
-            (tests/faults) can kill, cut or abort "mid-transfer" deterministically.
     """
 
     connect_timeout_s: _Seconds = 5.0
@@ -125,7 +120,6 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     grant_board: bool = True
     listen_host: _Host = "127.0.0.1"
     max_sessions: _Positive = 256
-    test_chunk_delay_s: _SecondsOrOff = 0.0
 
     def __post_init__(self) -> None:
         # msgspec checks types and bounds when it converts (from_options), not when

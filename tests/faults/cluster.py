@@ -44,6 +44,7 @@ import httpx
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.engine_config import EngineConfig
 from kvbridge.engine.request import SamplingParams
+from tests import slow_serving
 from tests.integration.netns import Host, ucx_env
 from tests.waiting import WaitTimeout, wait_until
 
@@ -360,16 +361,25 @@ class Served:
 LAB_SECRET = "lab-secret-" + "0123456789abcdef" * 2
 
 
-def start(name: str, host: Host, argv: Sequence[str], log_dir: Path) -> Served:
-    """Start ``python -m kvbridge.cli <argv>`` in ``host`` (UCX over TCP); no wait."""
+def start(name: str, host: Host, argv: Sequence[str], log_dir: Path, *,
+          chunk_delay_s: float = 0.0) -> Served:
+    """Start ``python -m kvbridge.cli <argv>`` in ``host`` (UCX over TCP); no wait.
+
+    ``chunk_delay_s``: its transfer servers wait this long before each data chunk
+    (``tests/slow_serving.py``, which then starts the CLI).
+    """
     log_path = log_dir / f"{name}.log"
     # lab hosts advertise non-loopback addresses: they need a cluster secret
     env = {**ucx_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "KVBRIDGE_SECRET": LAB_SECRET}
+    command = ["-m", "kvbridge.cli"]
+    if chunk_delay_s:
+        command = list(slow_serving.COMMAND)
+        env.update(slow_serving.chunk_delay_env(chunk_delay_s))
     with open(log_path, "a") as log:
         log.write(f"---- {' '.join(argv)}\n")
         log.flush()
-        proc = host.popen([sys.executable, "-m", "kvbridge.cli", *argv], env=env,
+        proc = host.popen([sys.executable, *command, *argv], env=env,
                           stdout=subprocess.PIPE, stderr=log)
     return Served(name, host, list(argv), proc, log_path)
 

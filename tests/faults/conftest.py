@@ -10,9 +10,10 @@ namespace, UCX over TCP on the host's veth):
 Every server keeps its address across restarts, so a test may kill anything;
 the ``cluster`` fixture brings back what is dead (or configured differently)
 before the next test. Timeouts are short and explicit (:data:`AGENT_OPTIONS`),
-and P sleeps between data chunks (``test_chunk_delay_s``, a test-only knob) so
-that a read of a few hundred tokens lasts seconds: long enough to kill, cut or
-hang up "mid-transfer" on purpose rather than by luck.
+and P waits before each data chunk (:data:`CHUNK_DELAY_S`, put in by
+``tests/slow_serving.py``: kvbridge has no such knob) so that a read of a few
+hundred tokens lasts seconds: long enough to kill, cut or hang up
+"mid-transfer" on purpose rather than by luck.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ AGENT_OPTIONS = {
     "chunk_timeout_s": 2.0, "read_timeout_s": 15.0, "heartbeat_s": 60.0,
     "server_idle_timeout_s": 300.0, "lease_s": LEASE_S, "renew_every_s": 1.0,
 }
-#: P sleeps this long before each data chunk (test-only knob).
+#: P waits this long before each data chunk (``tests/slow_serving.py``).
 CHUNK_DELAY_S = 0.2
 #: D asks for chunks of one block (one P block of the tiny model is >= 64 KiB).
 D_CHUNK_NBYTES = 64 << 10
@@ -104,8 +105,7 @@ class FaultCluster:
                 "--tp", str(cfg.tp), "--block-size", str(cfg.block_size),
                 "--kv-layout", cfg.layout, "--num-blocks", str(2048 // cfg.block_size),
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
-                "--lease", str(LEASE_S), "--log-level", "info",
-                *_options({"test_chunk_delay_s": CHUNK_DELAY_S})]
+                "--lease", str(LEASE_S), "--log-level", "info", *_options({})]
 
     def _d_argv(self) -> list[str]:
         host = self.lab["decode"].ip
@@ -138,7 +138,7 @@ class FaultCluster:
         cfg = p_config or self.p_config
         pending: list[Served] = []
         if not self._healthy(self.p) or cfg != self.p_config:
-            self.p = self._restart(self.p, "prefill", self._p_argv(cfg))
+            self.p = self._restart(self.p, "prefill", self._p_argv(cfg), CHUNK_DELAY_S)
             self.p_config = cfg
             pending.append(self.p)
         if not self._healthy(self.d):
@@ -152,10 +152,11 @@ class FaultCluster:
         for url in (self.p_url, self.d_url):
             self.client.wait_all_blocks_free(url, timeout_s=SETTLE_S)
 
-    def _restart(self, old: Served | None, host: str, argv: list[str]) -> Served:
+    def _restart(self, old: Served | None, host: str, argv: list[str],
+                 chunk_delay_s: float = 0.0) -> Served:
         if old is not None:
             old.kill()  # same address: the old one must be gone first
-        return start(host, self.lab[host], argv, self.log_dir)
+        return start(host, self.lab[host], argv, self.log_dir, chunk_delay_s=chunk_delay_s)
 
     def restart_p(self, cfg: PConfig, *, graceful: bool) -> None:
         """Stop P (SIGTERM, or SIGKILL if not ``graceful``) and start it with ``cfg``."""
@@ -164,7 +165,8 @@ class FaultCluster:
             self.p.stop()
         else:
             self.p.kill()
-        self.p = start("prefill", self.lab["prefill"], self._p_argv(cfg), self.log_dir)
+        self.p = start("prefill", self.lab["prefill"], self._p_argv(cfg), self.log_dir,
+                       chunk_delay_s=CHUNK_DELAY_S)
         self.p_config = cfg
         self.p.wait_ready()
 

@@ -1,8 +1,8 @@
 """``kvbridge serve --transfer-option NAME=VALUE``: the agent knobs the fault tests turn.
 
 Unit tests (no processes): flags reach ``ConnectorSettings.agent``; bad names and
-values are refused with the offending text; the test-only chunk delay accepts 0
-(off) but nothing negative.
+values are refused with the offending text; an "or off" knob accepts 0 but
+nothing negative.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def test_options_reach_the_connector_settings() -> None:
     config = build_engine_config(serve_args(
         "--role", "prefill", "--transfer-port", "7000",
         "--transfer-option", "chunk_timeout_s=2.5", "--transfer-option", " chunk_nbytes = 65536 ",
-        "--transfer-option", "test_chunk_delay_s=0.2"))
+        "--transfer-option", "local_copy_min_nbytes=4096"))
     assert config.connector is not None and config.connector.agent is not None
     agent = config.connector.agent
-    assert (agent.chunk_timeout_s, agent.test_chunk_delay_s) == (2.5, 0.2)
+    assert (agent.chunk_timeout_s, agent.local_copy_min_nbytes) == (2.5, 4096)
     assert agent.chunk_nbytes == 65536
     assert isinstance(agent.chunk_nbytes, int)
     assert agent.heartbeat_s == AgentConfig().heartbeat_s  # the rest stays default
@@ -45,7 +45,8 @@ def test_options_reach_the_connector_settings() -> None:
     ("heartbeat_s=soon", "not a number"),
     ("heartbeat_s=0", "heartbeat_s must be finite and > 0"),
     ("read_timeout_s=inf", "read_timeout_s must be finite"),
-    ("test_chunk_delay_s=-0.1", "test_chunk_delay_s must be finite and >= 0"),
+    ("local_copy_min_nbytes=-1", "local_copy_min_nbytes must be >= 0"),
+    ("test_chunk_delay_s=0.2", "test_chunk_delay_s"),  # no test knob in production
 ])
 def test_bad_options_are_refused(item: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -59,9 +60,8 @@ def test_options_need_the_connector(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bogus" in capsys.readouterr().err
 
 
-def test_chunk_delay_is_off_by_default_and_never_negative() -> None:
-    assert AgentConfig().test_chunk_delay_s == 0.0
-    assert AgentConfig(test_chunk_delay_s=0.0).test_chunk_delay_s == 0.0
+def test_an_or_off_knob_takes_zero_and_other_knobs_do_not() -> None:
+    assert AgentConfig(local_copy_min_nbytes=0).local_copy_min_nbytes == 0
     with pytest.raises(ConfigError, match="lease_s must be finite and > 0"):
         AgentConfig(lease_s=0.0)  # zero stays invalid for every other knob
     with pytest.raises(ConfigError, match="window_chunks"):

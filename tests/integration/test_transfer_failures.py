@@ -107,11 +107,10 @@ def test_staged_read_cut_while_its_chunk_is_due_fails_instead_of_using_old_bytes
     previous read's bytes, i.e. another request's KV, reported as loaded
     (``ok``, no failed blocks), then cached in D's prefix cache.
     """
-    p_host, d_host = Host(), Host()
+    # P delays each chunk after its header; D stages (other block size and layout)
+    p_host, d_host = Host(chunk_delay_s=3.0), Host()
     try:
-        # P delays each chunk after its header; D stages (other block size and layout)
-        server = p_host.add(Spec("p-cut", seed=5, port=free_port_base(1),
-                                 config={"test_chunk_delay_s": 3.0}))
+        server = p_host.add(Spec("p-cut", seed=5, port=free_port_base(1)))
         reader = d_host.add(Spec("d-cut", seed=-1, port=free_port_base(1), layout="HND",
                                  block_size=32, config={**FAST, "chunk_timeout_s": 10.0,
                                                         "read_timeout_s": 30.0}))

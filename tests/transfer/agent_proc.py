@@ -177,6 +177,11 @@ def _child(conn: Connection) -> None:
             agent, caches = new_agent(args, clocks.get(name))
             agents[name] = (agent, caches)
             return agent.start()
+        if cmd == "slow_serving":  # (seconds,): every server here waits before each chunk
+            from tests.slow_serving import install
+
+            install(args[0])
+            return None
         if cmd == "advance":  # (seconds,): move a manual_clock spec's grant clock
             return clocks[name].advance(args[0])
         agent, caches = agents[name]
@@ -244,13 +249,20 @@ def _count_memmoves() -> list[int]:
 
 
 class Host(ChildHost):
-    """A child process hosting any number of agents."""
+    """A child process hosting any number of agents.
+
+    ``chunk_delay_s``: every agent of this host, as a server, waits this long
+    before each data chunk (``tests/slow_serving.py``), so that a test can kill,
+    cut or hang up mid-transfer.
+    """
 
     what = "agent host"
     call_timeout_s = CALL_TIMEOUT_S
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_delay_s: float = 0.0) -> None:
         super().__init__(_child)
+        if chunk_delay_s:
+            self.call("slow_serving", "", (chunk_delay_s,))
 
     def add(self, spec: Spec) -> AgentRef:
         name = f"{spec.engine_id}/{spec.tp_rank}"

@@ -12,6 +12,7 @@ Used by ``test_transport_inproc.py`` and ``test_link_inproc.py``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,9 @@ from kvbridge.transfer.clock import ManualClock
 from kvbridge.transfer.local_kv import LocalKV, topology_info, topology_of
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import Identity, recv_msg, send_msg, serve_handshake
+from kvbridge.transfer.protocol.host import ProbeCell
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.copier import Copier
 from kvbridge.transfer.reading.jobs import ReadJob, ReadStats
 from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.reading.reads import Reads
@@ -38,6 +41,7 @@ from kvbridge.transfer.serving.grants import GrantTable
 from kvbridge.transfer.serving.session import serve_connection
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
+from tests.slow_serving import slow_serving
 from tests.waiting import wait_until_async
 
 HOST = "127.0.0.1"
@@ -120,8 +124,22 @@ class Reader:
 @asynccontextmanager
 async def server_and_reader(
     server_config: dict[str, Any] | None = None, reader_config: dict[str, Any] | None = None,
+    *, chunk_delay_s: float = 0.0,
 ) -> AsyncIterator[tuple[Server, Reader]]:
-    """A server session and a reader of it, closed on exit."""
+    """A server session and a reader of it, closed on exit.
+
+    ``chunk_delay_s``: the server waits this long before each data chunk
+    (``tests/slow_serving.py``; every server of this process while inside).
+    """
+    with slow_serving(chunk_delay_s) if chunk_delay_s else contextlib.nullcontext():
+        async with _server_and_reader(server_config, reader_config) as pair:
+            yield pair
+
+
+@asynccontextmanager
+async def _server_and_reader(
+    server_config: dict[str, Any] | None, reader_config: dict[str, Any] | None,
+) -> AsyncIterator[tuple[Server, Reader]]:
     executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
     s_cfg = AgentConfig(**{**FAST, **(server_config or {})})
     r_cfg = AgentConfig(**{**FAST, **(reader_config or {})})
@@ -130,13 +148,18 @@ async def server_and_reader(
     s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
     s_ctx = ServerContext(identity(SERVER_ID), s_local, grants, s_cfg, BufferPool(4), executor,
                           clock)
+    copier = None
+    if s_cfg.local_copy and r_cfg.local_copy:  # same-host copies (no grant board)
+        s_ctx.probe = ProbeCell()
+        s_ctx.host = s_ctx.probe.host_info(None)
+        copier = Copier(r_cfg.copy_threads)
     s_worker, r_worker = UcxWorker(), UcxWorker()
     reads: Reads | None = None
     try:
         port = s_worker.listen(HOST, 0, lambda conn: serve_connection(s_ctx, conn), timeout_s=5.0)
         r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
                               r_cfg, BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks),
-                              executor)
+                              executor, copier=copier)
         reads = Reads(r_ctx, r_worker, f"{READER_ID}:0")
         yield Server(s_worker, s_ctx, clock, port), Reader(r_worker, r_ctx, reads, port)
     finally:
@@ -144,6 +167,8 @@ async def server_and_reader(
             await reads.close()
         await r_worker.close()
         await s_worker.close()
+        if copier is not None:
+            copier.close()
         executor.shutdown(wait=True)
 
 

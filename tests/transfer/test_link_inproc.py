@@ -88,7 +88,7 @@ def test_a_read_after_the_lease_ended_is_refused_as_expired() -> None:
 
 # Staged reads of 6 one-block chunks, each held back 0.1 s by the server: a read
 # lasts >= 0.6 s, and renews its grant from 0.05 s on, every 0.05 s.
-SLOW = {"test_chunk_delay_s": 0.1}
+SLOW_S = 0.1
 RENEWING = {"direct_reads": False, "renew_every_s": 0.05, "lease_s": 1.0}
 BLOCKS = [10, 11, 12, 13, 14, 15]
 
@@ -98,7 +98,7 @@ def test_a_refused_renewal_fails_its_own_read_and_no_other() -> None:
     that as the connection's end, failing every read on the link."""
 
     async def run() -> None:
-        async with server_and_reader(SLOW, RENEWING) as (server, reader):
+        async with server_and_reader(None, RENEWING, chunk_delay_s=SLOW_S) as (server, reader):
             grants = server.ctx.grants
             grants.issue("short", BLOCKS, 1, lease_s=1.0, token=(short := token()))
             grants.issue("long", BLOCKS, 1, lease_s=100.0, token=(long := token()))
@@ -129,7 +129,7 @@ def test_two_reads_of_one_grant_renew_at_once_on_one_link() -> None:
 
     async def run() -> None:
         cfg = {**RENEWING, "reply_timeout_s": 0.3}  # a read lasts longer than that
-        async with server_and_reader(SLOW, cfg) as (server, reader):
+        async with server_and_reader(None, cfg, chunk_delay_s=SLOW_S) as (server, reader):
             # more readers than will report: no release ends the lease under the reads
             server.ctx.grants.issue("shared", BLOCKS, 5, lease_s=100.0, token=(tok := token()))
             reader.submit("a", tok, BLOCKS, list(range(6)))
@@ -232,10 +232,9 @@ async def open_link(server: Server, reader: Reader) -> tuple[PeerLink, RemoteRea
     return link, plan.items[0]
 
 
-#: A SLOW staged read's deadline on the server: chunk_timeout_s per chunk, but at most
-#: read_timeout_s (6 x 5 s > 20 s), and the test delay per chunk.
-READ_BUDGET_S = (min(len(BLOCKS) * FAST["chunk_timeout_s"], FAST["read_timeout_s"])
-                 + len(BLOCKS) * SLOW["test_chunk_delay_s"])
+#: A staged read's deadline on the server: chunk_timeout_s per chunk, but at most
+#: read_timeout_s (6 x 5 s > 20 s).
+READ_BUDGET_S = min(len(BLOCKS) * FAST["chunk_timeout_s"], FAST["read_timeout_s"])
 
 
 def test_a_lease_is_renewed_only_for_a_read_of_its_grant_in_flight() -> None:
@@ -246,7 +245,8 @@ def test_a_lease_is_renewed_only_for_a_read_of_its_grant_in_flight() -> None:
     issued; the read's own grant is renewed, up to that read's deadline."""
 
     async def run() -> None:
-        async with server_and_reader(SLOW, {"direct_reads": False}) as (server, reader):
+        staged = {"direct_reads": False}
+        async with server_and_reader(None, staged, chunk_delay_s=SLOW_S) as (server, reader):
             grants, start = server.ctx.grants, server.clock.now()
             grants.issue("reading", BLOCKS, 1, lease_s=5.0, token=(read_tok := token()))
             idle = grants.issue("idle", [1], 1, lease_s=5.0, token=(idle_tok := token()))
@@ -293,7 +293,7 @@ def test_a_long_read_renews_its_lease_up_to_its_deadline_and_lands() -> None:
 
     async def run() -> None:
         cfg = {**RENEWING, "lease_s": 1000.0}  # asks for far more than the read needs
-        async with server_and_reader(SLOW, cfg) as (server, reader):
+        async with server_and_reader(None, cfg, chunk_delay_s=SLOW_S) as (server, reader):
             grants = server.ctx.grants
             # two readers expected: this one's report does not release the grant
             g = grants.issue("long", BLOCKS, 2, lease_s=1.0, token=(tok := token()))

@@ -20,7 +20,7 @@ from kvbridge.transfer.serving.context import ServedRead, ServerContext
 
 __all__ = [
     "block_nbytes", "check_request", "direct_nbytes", "grant_reason", "num_chunks", "pin",
-    "problem", "read_budget_s", "send_budget_s",
+    "problem", "read_budget_s",
 ]
 
 R = wire.RejectReason
@@ -97,21 +97,16 @@ def direct_nbytes(local: LocalKV, req: wire.ReadRequest) -> int:
     return len(req.block_ids) * num_layers * num_planes(local) * span.nbytes
 
 
-def send_budget_s(cfg: AgentConfig, req: wire.ReadRequest) -> float:
-    """How long serving ``req`` may take once its sends start: ``chunk_timeout_s`` per
-    chunk, and never more than ``read_timeout_s`` (a reader gives up after as long)."""
-    return min(num_chunks(req) * cfg.chunk_timeout_s, cfg.read_timeout_s)
-
-
 def read_budget_s(cfg: AgentConfig, req: wire.ReadRequest) -> float:
     """How long after pinning its grant the server may spend on ``req``: its deadline.
 
-    ``send_budget_s``, plus the test-only delay per chunk. Every way of serving
-    ends the read by then: direct sends by their one timer, same-host copies by
-    their hold (``CopyGo.hold_s``), staged reads by a timeout over all chunks.
-    So a read pins its grant for ``read_timeout_s`` at most.
+    ``chunk_timeout_s`` per chunk, and never more than ``read_timeout_s`` (a
+    reader gives up after as long). Every way of serving ends the read by then:
+    direct sends by their one timer, same-host copies by their hold
+    (``CopyGo.hold_s``), staged reads by a timeout over all chunks. So a read
+    pins its grant for ``read_timeout_s`` at most.
     """
-    return send_budget_s(cfg, req) + num_chunks(req) * cfg.test_chunk_delay_s
+    return min(num_chunks(req) * cfg.chunk_timeout_s, cfg.read_timeout_s)
 
 
 def pin(

@@ -19,7 +19,7 @@ import logging
 from kvbridge.transfer.blocks.ranges import head_span
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.serving.checks import direct_nbytes, send_budget_s
+from kvbridge.transfer.serving.checks import direct_nbytes, read_budget_s
 from kvbridge.transfer.serving.context import ServerContext, Session
 from kvbridge.transfer.ucx.connection import UcxConnection, ignore_outcome
 
@@ -32,7 +32,7 @@ class CopyHold:
     """A same-host copy under way: ``CopyGo`` sent, the grant pinned until it ends.
 
     Ends exactly once: by the reader's ``CopyDone`` or by the hold's end
-    (``checks.send_budget_s``, announced in ``CopyGo`` as ``hold_s``; the
+    (``checks.read_budget_s``, announced in ``CopyGo`` as ``hold_s``; the
     reader drops a copy that ended later). It outlives its session: a reader
     whose connection broke may still be copying, so only the clock unpins then.
     The caller pinned the grant; the hold registers itself in ``session.holds``.
@@ -47,7 +47,7 @@ class CopyHold:
         local = ctx.local
         span = head_span(local, req.head_start, req.head_end)
         assert span is not None  # check_request
-        hold_s = send_budget_s(ctx.config, req)
+        hold_s = read_budget_s(ctx.config, req)
         # Started before the reader can hear of it: the reader times from before it asked.
         self._timer = asyncio.get_running_loop().call_later(hold_s, self._late)
         session.holds[req.xfer_id] = self

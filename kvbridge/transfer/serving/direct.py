@@ -4,14 +4,11 @@ For reads whose blocks both caches store alike (``blocks/ranges.py``): no
 staging, no pack, no credit. The reader posts every chunk's receive right
 after asking, long before they land (and UCX keeps one that comes first until
 its receive is posted), so every chunk is posted at once, under one deadline of
-``chunk_timeout_s`` per chunk (``read_timeout_s`` at most: ``checks.send_budget_s``).
-Two ways in, chosen by ``session.py``:
-
-- ``DirectSends``: the usual case, a grant already issued: the dispatcher
-  posts every chunk as it decodes the request, and callbacks unpin the grant
-  when the sends end or their deadline passes (no task).
-- ``send_direct``: in the read's task, after waiting for the grant; honours
-  the test-only chunk delay.
+``chunk_timeout_s`` per chunk (``read_timeout_s`` at most: ``checks.read_budget_s``).
+``DirectSends`` posts them and callbacks unpin the grant when the sends end or
+their deadline passes: no task. ``session.py`` starts it as it decodes the
+request (a grant already issued, the usual case), or in the read's task after
+waiting for the grant.
 
 The reading half is ``reading/direct.py``.
 """
@@ -30,12 +27,12 @@ from kvbridge.transfer.blocks.ranges import block_ranges, head_span
 from kvbridge.transfer.errors import PeerClosedError, PeerTimeoutError, TransferError
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.serving.checks import direct_nbytes, send_budget_s
+from kvbridge.transfer.serving.checks import direct_nbytes, read_budget_s
 from kvbridge.transfer.serving.context import ServedRead, ServerContext
 from kvbridge.transfer.ucx.connection import UcxConnection, ignore_outcome
 from kvbridge.transfer.ucx.iov import post_send_iov
 
-__all__ = ["DirectSends", "send_direct"]
+__all__ = ["DirectSends"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +43,7 @@ class DirectSends:
     """One direct read served by callbacks: chunks posted, then one deadline for all.
 
     Ends exactly once, by the sends completing or failing or by the deadline
-    (``checks.send_budget_s``, which aborts the connection); then the grant
+    (``checks.read_budget_s``, which aborts the connection); then the grant
     is unpinned and the read forgotten. The caller pinned the grant.
     """
 
@@ -71,7 +68,7 @@ class DirectSends:
         all_sent: asyncio.Future[Any] = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
         all_sent.add_done_callback(self._sent)
         self._timer = asyncio.get_running_loop().call_later(
-            send_budget_s(ctx.config, req), self._late
+            read_budget_s(ctx.config, req), self._late
         )
 
     def _sent(self, all_sent: asyncio.Future[Any]) -> None:
@@ -98,34 +95,6 @@ class DirectSends:
             self._conn.abort()  # the reader may hold posted receives for chunks we never send
         ctx.grants.end_read(self._token)
         self._reads.pop(req.xfer_id, None)
-
-
-async def send_direct(ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest) -> None:
-    """Send each chunk as one message straight from the cache blocks.
-
-    Every chunk is posted at once, then awaited under one deadline of
-    ``checks.send_budget_s``. ``DirectSends`` is the same without a task;
-    this one runs after waiting for a grant and honours the test delay. The
-    grant is pinned by the caller, who unpins it when this returns or raises.
-
-    Raises:
-        PeerTimeoutError: the sends did not end in time (the connection is aborted).
-        PeerClosedError, TransferError: a send failed.
-    """
-    cfg = ctx.config
-    sends: list[asyncio.Future[None]] = []
-    try:
-        for channel, iov in _direct_chunks(ctx.local, req):
-            if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
-                await asyncio.sleep(cfg.test_chunk_delay_s)
-            sends.append(_post_chunk(ctx, conn, iov, channel))
-        all_sent = asyncio.gather(*sends) if len(sends) > 1 else sends[0]
-        await conn.wait(all_sent, timeout_s=send_budget_s(cfg, req), what="iov send")
-    finally:
-        for sent in sends:
-            if not sent.done():
-                sent.add_done_callback(ignore_outcome)
-    ctx.num_bytes_served += direct_nbytes(ctx.local, req)
 
 
 def _direct_chunks(local: LocalKV, req: wire.ReadRequest) -> list[tuple[int, IovArray]]:

@@ -24,8 +24,8 @@ lease for it (``RenewLease`` naming its xfer id), never past its deadline
 A direct read or same-host copy of a grant already issued, the usual case, is
 served without a task: the dispatcher checks it and starts it as it decodes the
 request (``_start_at_once``); callbacks unpin the grant when it ends. Anything
-else (a staged read, a grant to wait for, a problem to reject, the test delay)
-runs in a task (``_serve_read``), which checks everything again and answers.
+else (a staged read, a grant to wait for, a problem to reject) runs in a
+task (``_serve_read``), which checks everything again and answers.
 
 The token a reader names is the grant table's own key (the engine's token is
 issued as is, ``GrantTable.issue(token=...)``): no second namespace to map.
@@ -57,7 +57,7 @@ from kvbridge.transfer.serving.context import (
     fix_readers,
 )
 from kvbridge.transfer.serving.copy_hold import CopyHold
-from kvbridge.transfer.serving.direct import DirectSends, send_direct
+from kvbridge.transfer.serving.direct import DirectSends
 from kvbridge.transfer.serving.staged import send_chunks
 from kvbridge.transfer.ucx.connection import UcxConnection
 
@@ -223,20 +223,13 @@ async def _serve_read(
         await reject(conn, ctx.codec, *refusal, req.xfer_id)
         return
     if req.local_copy:
-        try:
-            if ctx.config.test_chunk_delay_s:  # test-only knob (see AgentConfig)
-                await asyncio.sleep(ctx.config.test_chunk_delay_s * num_chunks(req))
-        except BaseException:
-            ctx.grants.end_read(token)
-            reads.pop(req.xfer_id, None)
-            raise
         CopyHold(ctx, conn, req, token, session)
         return
+    if req.direct:
+        DirectSends(ctx, conn, req, token, reads)
+        return
     try:
-        if req.direct:
-            await send_direct(ctx, conn, req)
-        else:
-            await _send_staged(ctx, conn, req, read)
+        await _send_staged(ctx, conn, req, read)
         ctx.num_reads_served += 1
     except TransferError as exc:
         logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
@@ -276,10 +269,10 @@ def _start_at_once(
     same-host copy: answers ``CopyGo`` and pins in a ``CopyHold``). Returns
     False, with nothing pinned (at most the grant's reader count fixed, as
     ``_serve_read`` would), when ``_serve_read`` must take the request (not
-    direct, a test delay, a problem to reject, a grant to wait for or to
-    refuse); that path checks everything again and answers.
+    direct, a problem to reject, a grant to wait for or to refuse); that
+    path checks everything again and answers.
     """
-    if not req.direct or ctx.config.test_chunk_delay_s:
+    if not req.direct:
         return False
     if problem(ctx, req) is not None:
         return False

@@ -51,8 +51,6 @@ async def send_chunks(
     sends: list[asyncio.Task[None]] = []
     try:
         for chunk in range(chunks):
-            if cfg.test_chunk_delay_s:  # test-only knob (see AgentConfig)
-                await asyncio.sleep(cfg.test_chunk_delay_s)
             await state.wait_credit(chunk + 1, cfg.chunk_timeout_s)
             ids = req.block_ids[chunk * req.chunk_blocks : (chunk + 1) * req.chunk_blocks]
             nbytes = len(ids) * nbytes_per_block
