@@ -14,8 +14,8 @@ The cache side is addressed through ``as_strided(layer, (M, run), (1, 1))``: row
 ``o`` of that view starts at word offset ``o``, so a row index is an offset.
 Gathers use ``torch.index_select`` (one memcpy per row). Scatters into CPU
 memory use numpy fancy assignment with each row as one fixed-size void item,
-which is also one memcpy per row and measured ~1.5x faster than
-``Tensor.index_copy_`` (element loop); other devices use ``index_copy_``.
+which is also one memcpy per row, where ``Tensor.index_copy_`` loops over
+elements; other devices use ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def _run_scatters(jobs: list[tuple[_Rows, torch.Tensor, torch.Tensor]], nbytes: 
     """Run the per-layer scatters, on torch's thread count when the copy is large.
 
     numpy releases the GIL while it copies, so layers scatter in parallel; a pool
-    per call costs ~0.1 ms, noise next to the >= 4 MiB it is used for.
+    per call is cheap next to the copies of ``_PARALLEL_MIN_NBYTES`` and more it
+    is used for.
     """
     num_threads = min(torch.get_num_threads(), len(jobs))
     on_cpu = all(layer.device.type == "cpu" for _, layer, _ in jobs)

@@ -14,9 +14,9 @@ A block is in exactly one state::
 Cached free blocks are evicted lazily: they stay findable by hash until
 ``get_new_blocks`` pops them off the front of the queue for reuse.
 
-One module although over ~400 lines: :class:`BlockPool` is the single owner of
-reference counts, block hashes and the hash -> block map, which its methods
-change together and ``check_integrity`` checks together.
+:class:`BlockPool` alone owns reference counts, block hashes and the hash ->
+block map: its methods change them together, ``check_integrity`` checks them
+together.
 """
 
 from __future__ import annotations

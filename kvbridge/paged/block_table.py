@@ -16,10 +16,9 @@ Two twists on the plain table:
   ``dcp_world_size`` ranks in runs of ``cp_kv_cache_interleave_size`` tokens.
   A rank stores only its own tokens; the others map to slot ``-1``.
 
-One module although over ~400 lines: ``MultiGroupBlockTable`` checks an edit on
-every group before it writes any, through ``BlockTable``'s private halves
-(``_prepare_append`` / ``_write_row``, ``_check_slot_inputs`` / ``_fill_slots``),
-which stay private to this module.
+``MultiGroupBlockTable`` checks an edit on every group before it writes any,
+through ``BlockTable``'s private halves (``_prepare_append`` / ``_write_row``,
+``_check_slot_inputs`` / ``_fill_slots``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ Where that is not possible (not Linux, not a CPU tensor, a small tensor) this is
 With ``shared=True`` the memory is a ``memfd`` mapped shared, so that a reader on
 this host can map it too, read-only, and copy blocks out of it with a plain
 ``memcpy`` instead of ``process_vm_readv``, which pins every page it copies
-(``transfer/reading/copier.py``): a 1 MiB read measured 0.050 ms instead of
-0.078. It is off by default: where ``shmem_enabled`` gives shared memory no huge
-pages (``never``, the common default), large reads out of it measured 1.6x slower
-(64 MiB: 5.2-5.6 ms vs 3.3) with rare 80 ms stalls (p99), with either copy.
+(``transfer/reading/copier.py``), which makes small reads faster. It is off by
+default: where ``shmem_enabled`` gives shared memory no huge pages (``never``,
+the common default), large reads out of it are slower, with rare long stalls,
+with either copy (figures: docs/benchmarks.md, "Figures behind the code").
 ``shared_region(tensor)`` tells the fd a tensor's memory is in. A process forked
 after the allocation shares the cache with its parent instead of copying it on
 write.

@@ -9,9 +9,8 @@ Results are ``KVCacheBlocks``, which expose block ids and hide the pool.
 The manager reads ``Request.num_computed_tokens`` but never writes it: the
 scheduler advances it after a step has run.
 
-One module although over ~400 lines: it is one class over one pool and one
-coordinator, and its checks (``_check_*``, the numbers in every allocation
-error) read the same state as the methods they guard.
+Its checks (``_check_*``, the numbers in every allocation error) read the same
+state as the methods they guard.
 """
 
 from __future__ import annotations

@@ -34,10 +34,8 @@ rank it would have read from, with ``notify_done``, so P frees at once.
 
 The work is done by the agent's two halves, ``serving/`` (sessions, grants,
 sending) and ``reading/`` (links, read strategies), over ``ucx/`` and
-``protocol/``. Why this module runs past ~400 lines: it is the package's one
-public class, and its methods are the API the connector calls, each thin
-(validate the arguments, hand the work to the loop) and documented in full
-where it is called.
+``protocol/``. Each public method is thin: it validates its arguments and hands
+the work to the loop.
 """
 
 from __future__ import annotations

@@ -71,14 +71,14 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             with ``KVBRIDGE_LOCAL_COPY=0`` or a ``UCX_TLS`` without shared memory.
         local_copy_min_nbytes: smaller direct reads go through UCX even on one
             host. 0 (default): copies at every size. A copy on the grant board's
-            word beats UCX at every size (64 KiB: 0.05 vs 0.3 ms; docs/benchmarks.md);
-            one that must ask first is as fast as UCX below ~8 MiB and faster above.
+            word beats UCX at every size; one that must ask first is as fast as
+            UCX for small reads and faster for large ones (docs/benchmarks.md).
         copy_threads: threads one same-host copy is split over (large reads).
         inline_copy_max_nbytes: a same-host read up to this size that the server's
             grant board allows is copied by the thread calling ``start_read``
             before it returns (``reading/inline.py``: no hop to the agent's
-            thread, no round trip; the caller waits for the copy, ~1 ms per
-            12 MiB). Any size, even below ``local_copy_min_nbytes``: without the
+            thread, no round trip; the caller waits for the copy). Any size,
+            even below ``local_copy_min_nbytes``: without the
             round trip, one copy beats UCX's two. 0: never (every read goes to
             the agent's thread, and ``start_read`` returns at once).
         grant_board: when serving same-host copies, also publish live grants on

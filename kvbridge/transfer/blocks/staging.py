@@ -9,9 +9,9 @@ A buffer UCX may still write to (its request was abandoned after a timeout) is
 Buffers live where the agent's caches do: host memory (numpy), or the caches'
 GPU for CUDA caches (uint8 tensors), so pack and unpack run there and UCX sends
 one contiguous device buffer per chunk. UCX moves such buffers between two
-processes on one GPU at 450-1700 GB/s (cuda_ipc, 4-64 MiB, ``ucx_perftest`` on an
-H200), and scatter-gather lists of 32 KiB pieces of GPU memory at 0.6 GB/s, which
-is why readers with CUDA caches always stage (``reading/strategy.py``).
+processes on one GPU orders of magnitude faster than scatter-gather lists of
+small pieces of GPU memory (docs/benchmarks.md, "GPU"), which is why readers
+with CUDA caches always stage (``reading/strategy.py``).
 
 Called only from the agent's event loop.
 """

@@ -226,7 +226,7 @@ class GrantBoard:
         if self.fd >= 0:
             weakref.finalize(self, os.close, self.fd)
         whole = np.frombuffer(memory, dtype=np.uint8)
-        whole[: self.nbytes] = 0  # every page in now, not by a publish (a fault of ~5 us)
+        whole[: self.nbytes] = 0  # every page in now, not faulted in by a publish
         whole[self.nbytes :] = np.frombuffer(secrets.token_bytes(TAG_NBYTES), dtype=np.uint8)
         self._buf = whole[: self.nbytes]
         self._words = self._buf.view(np.uint64).reshape(rows, SLOT_NBYTES // 8)

@@ -78,7 +78,7 @@ def map_shared(pid: int, fd: int, nbytes: int, inode: int | None = None, *,
 
     ``populate``: every page mapped now (``MAP_POPULATE``) rather than at its first
     touch, for a small map read at random places (the grant board: without it
-    each of a run of reads took a page fault, ~5 us, on a page of its own).
+    each of a run of reads took a page fault on a page of its own).
     """
     try:
         file = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)

@@ -61,9 +61,8 @@ Thread safety: every public method takes one internal lock and does no I/O and
 no callbacks under it (``on_release`` runs after it is let go), so the agent's
 event loop thread and the connector's thread may both call the table.
 
-Why one module of ~700 lines: one class under one lock, whose invariants
-(``check_integrity``) span every method; its error and record types are the
-vocabulary of those methods. Split, each half would need the other's locking.
+One class under one lock, whose invariants (``check_integrity``) span every
+method.
 
 Example::
 

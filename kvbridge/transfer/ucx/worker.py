@@ -9,7 +9,7 @@ each connection it accepts or opens over as a :class:`UcxConnection`
 
 Why the low-level API: endpoints here are created with UCX *peer error handling
 off*, because with it on UCX refuses shared memory / CMA zero-copy between
-processes and falls back to TCP (about 20x slower on one host). ucxx's asyncio
+processes and falls back to TCP (far slower on one host). ucxx's asyncio
 listener forces error handling on, so the listener and endpoints are built by
 hand. The price: UCX never tells us a peer died. Failure detection is therefore
 the application's: every wait has a deadline, idle connections exchange
@@ -40,9 +40,8 @@ which engines seed (vLLM seeds it with 0), so no peer can predict them.
 
 The listener (``listener.py``) binds the address it is given, not every interface.
 
-Why one module of ~450 lines: the progress driver, the stray drain, request
-tracking and connection keys all work on the worker's pending list and key set,
-which only this class may touch; the listener and connect add ~80 lines.
+The progress driver, the stray drain, request tracking and connection keys all
+work on the worker's pending list and key set, which only this class touches.
 """
 
 from __future__ import annotations
@@ -140,9 +139,8 @@ class UcxWorker:
             multi-MB messages between processes on one host than ``auto``, unless
             they or the environment (``UCX_RNDV_SCHEME``) name one.
         gpu_memory: messages go to and from GPU memory (an agent's CUDA caches):
-            the default scheme is then UCX's own (``auto``); ``get_zcopy`` moved
-            8-128 MiB between two processes on one H200 at 0.6-0.7 GB/s, ``auto``
-            and ``put_zcopy`` at 2.4-7.9 GB/s (docs/benchmarks.md, "GPU"). And
+            the default scheme is then UCX's own (``auto``), several times faster
+            there than ``get_zcopy`` (docs/benchmarks.md, "GPU"). And
             the driver polls without sleeping while bulk data is in flight: UCX's
             GPU transport (cuda_ipc) raises no event when a copy completes, so a
             sleep on the event fd lasted ``busy_poll_s`` per chunk. The
@@ -239,8 +237,8 @@ class UcxWorker:
         For when another thread of this process is about to need the GIL (an
         outcome or release it is told of). A spinning driver releases the GIL
         only for an instant per loop pass, and CPython hands it to a waiting
-        thread only after the switch interval (5 ms) or when the holder blocks;
-        measured on the 1-block read, that wait was ~0.2 ms of a 1.1 ms read.
+        thread only after the switch interval (``sys.getswitchinterval``) or
+        when the holder blocks: a wait that showed in a 1-block read's latency.
         Any thread may call it.
         """
         self._stop_spin = True
