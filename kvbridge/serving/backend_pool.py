@@ -3,16 +3,26 @@
 ``kvbridge/serving/proxy.py`` keeps one :class:`BackendPool` for its prefill and one for
 its decode instances and sends every backend call through :meth:`BackendPool.post`
 (``/v1/completions``, ``/v1/chat/completions``) or :meth:`BackendPool.get` (``/v1/models``).
-A backend that could not be reached or answered 5xx is marked down for a
-back-off; round robin passes over it while the mark runs and another backend of
-the role is usable. A down backend gets no request before its ``/health``
-answers 200: probed when its back-off has run out, or at once when no other
-backend is left (a restarted instance then serves without waiting)::
+A backend that says the server itself cannot serve is marked down for a
+back-off: it could not be reached (connection refused, reset or dropped), did
+not answer within the time limit, or answered 502, 503 or 504 (vLLM's
+``/health`` answers 503 once its engine is dead; a gateway in front of a
+backend answers 502 or 504). Round robin passes over it while the mark runs
+and another backend of the role is usable. Any other 5xx (vLLM's 500 for one
+request, e.g. a KV load that failed under ``kv_load_failure_policy`` "fail")
+fails that request only and says nothing about the server: no mark. A down
+backend gets no request before its ``/health`` answers 200: probed when its
+back-off has run out, or at once when no other backend is left (a restarted
+instance then serves without waiting)::
 
-    healthy --failure--> down (skipped) --back-off over, or no one else--> probe /health
-       ^                                                                     |   |
-       +-------------------------------- ok ---------------------------------+   |
-                                                 down (new back-off) <-- not ok --+
+    healthy --unreachable, time-out, 502/503/504--> down (skipped)
+       ^                                              |
+       |                       back-off over, or no one else left
+       |                                              v
+       +------------------ ok ------------------ probe /health
+                                                      | not ok
+                                                      v
+                                            down (a new back-off)
 
 A call whose connection failed is retried once on another backend of the
 role: for prefill and for a GET whenever no answer came (the client has received
@@ -33,7 +43,7 @@ import httpx
 
 from kvbridge.serving.http_common import ApiError
 
-__all__ = ["BackendPool", "ClientErrorAnswer", "NoBackendError", "error_text",
+__all__ = ["BackendFailed", "BackendPool", "ClientErrorAnswer", "NoBackendError", "error_text",
            "is_lost_connection"]
 
 logger = logging.getLogger(__name__)
@@ -43,6 +53,8 @@ _LOST_CONNECTION = (httpx.ConnectError, httpx.ConnectTimeout, httpx.NetworkError
                     httpx.RemoteProtocolError)
 #: Failures before the connection opened: the backend never saw the request.
 _NOT_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout)
+#: Answers that speak for the server, not for one request: the backend is marked down.
+_UNAVAILABLE = frozenset({502, 503, 504})
 
 
 class NoBackendError(Exception):
@@ -55,6 +67,14 @@ class ClientErrorAnswer(Exception):
     def __init__(self, response: httpx.Response) -> None:
         super().__init__(f"backend answered {response.status_code}")
         self.response = response
+
+
+class BackendFailed(ApiError):
+    """A 502 for the client: the backend at ``url`` (a base URL) failed this call."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(502, message, "bad_gateway")
+        self.url = url
 
 
 class _Failed(Exception):
@@ -132,10 +152,10 @@ class BackendPool:
         """True while ``url`` is marked down (also when its back-off is over but unprobed)."""
         return url in self._down
 
-    def any_usable(self) -> bool:
-        """True when some backend is healthy or due for a probe."""
+    def any_usable(self, exclude: Collection[str] = ()) -> bool:
+        """True when some backend not in ``exclude`` is healthy or due for a probe."""
         now = self._clock()
-        return not all(self._in_backoff(url, now) for url in self.urls)
+        return any(not self._in_backoff(url, now) for url in self.urls if url not in exclude)
 
     async def pick(self, exclude: Collection[str] = (), advance: bool = True) -> str:
         """The next usable backend in round-robin order.
@@ -203,8 +223,9 @@ class BackendPool:
         return None if response.status_code == 200 else error_text(response)
 
     async def post(self, body: dict[str, Any], request_id: str, timeout_s: float,
-                   stream: bool, path: str = "/v1/completions") -> tuple[httpx.Response, str]:
-        """POST ``body`` to ``path`` of the next usable backend.
+                   stream: bool, path: str = "/v1/completions", exclude: Collection[str] = ()
+                   ) -> tuple[httpx.Response, str]:
+        """POST ``body`` to ``path`` of the next usable backend not in ``exclude``.
 
         Retried once on another backend as the module docstring says. A streamed
         answer is returned unread (the caller closes it).
@@ -213,11 +234,11 @@ class BackendPool:
             The 2xx answer and the base URL of the backend that gave it.
 
         Raises:
-            ApiError: 503 when no backend of the role is usable; 502 for a failure,
-                a time-out or a 5xx answer.
+            ApiError: 503 when no backend of the role is usable.
+            BackendFailed: a failure, a time-out or a 5xx answer.
             ClientErrorAnswer: a 4xx answer.
         """
-        return await self._call("POST", path, body, request_id, timeout_s, stream)
+        return await self._call("POST", path, body, request_id, timeout_s, stream, exclude)
 
     async def get(self, path: str, request_id: str, timeout_s: float
                   ) -> tuple[httpx.Response, str]:
@@ -226,10 +247,10 @@ class BackendPool:
         return await self._call("GET", path, None, request_id, timeout_s, False)
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None,
-                    request_id: str, timeout_s: float, stream: bool
+                    request_id: str, timeout_s: float, stream: bool, exclude: Collection[str] = ()
                     ) -> tuple[httpx.Response, str]:
-        tried: list[str] = []
-        while True:
+        tried = list(exclude)
+        for attempt in range(2):
             try:
                 url = await self.pick(exclude=tried)
             except NoBackendError as exc:
@@ -241,21 +262,23 @@ class BackendPool:
                 return await self._send(url, request, timeout_s, stream), url
             except _Failed as exc:
                 may_retry = self.role == "prefill" or method == "GET" or not exc.opened
-                if len(tried) == 1 and may_retry and len(self.urls) > 1:
+                if attempt == 0 and may_retry and any(u not in tried for u in self.urls):
                     logger.warning("%s: %s; retrying on another %s backend", request_id, exc,
                                    self.role)
                     continue
-                if not self.any_usable():
-                    raise ApiError(503, self.describe_unusable(), "service_unavailable") from None
-                raise ApiError(502, str(exc), "bad_gateway") from None
+                if not self.any_usable(exclude=exclude):
+                    raise ApiError(503, self.describe_unusable(exclude),
+                                   "service_unavailable") from None
+                raise BackendFailed(str(exc), url) from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _send(self, base_url: str, request: httpx.Request, timeout_s: float,
                     stream: bool) -> httpx.Response:
-        """One call within ``timeout_s``; marks the backend down on a lost connection or 5xx.
+        """One call within ``timeout_s``; marks the backend down as the module docstring says.
 
         Raises:
             _Failed: no answer (connection refused, dropped or reset).
-            ApiError: 502 for a time-out, another failure or a 5xx answer.
+            BackendFailed: a time-out, another failure or a 5xx answer.
             ClientErrorAnswer: a 4xx answer.
         """
         url = str(request.url)
@@ -263,12 +286,13 @@ class BackendPool:
             async with asyncio.timeout(timeout_s):
                 response = await self._client.send(request, stream=stream)
         except TimeoutError:
-            raise ApiError(502, f"{self.role} {url} did not answer within {timeout_s} s",
-                           "bad_gateway") from None
+            message = f"{self.role} {url} did not answer within {timeout_s} s"
+            self.mark_down(base_url, message)
+            raise BackendFailed(message, base_url) from None
         except httpx.HTTPError as exc:
             message = f"{self.role} {url} failed: {exc!r}"
             if not is_lost_connection(exc):
-                raise ApiError(502, message, "bad_gateway") from None
+                raise BackendFailed(message, base_url) from None
             self.mark_down(base_url, message)
             raise _Failed(message, opened=not isinstance(exc, _NOT_CONNECTED)) from None
         if response.status_code < 400:
@@ -281,5 +305,6 @@ class BackendPool:
         if response.status_code < 500:
             raise ClientErrorAnswer(response)
         message = f"{self.role} {url} answered {response.status_code}: {error_text(response)}"
-        self.mark_down(base_url, message)
-        raise ApiError(502, message, "bad_gateway")
+        if response.status_code in _UNAVAILABLE:
+            self.mark_down(base_url, message)
+        raise BackendFailed(message, base_url)

@@ -25,27 +25,33 @@ P must return its token ids (vLLM: ``return_token_ids``): an answer without
 flow for that request. So does an answer whose token's text is not whole
 (:func:`take`): the text must also equal colocated, and a character whose
 bytes span t1 and t2 comes out right only where one detokenizer sees both.
-Pure functions; the proxy does the HTTP.
+A streamed D is always asked for its token ids (:func:`continuation_body`),
+whether the client asked or not (the client then gets them, as P's token
+comes with its id): should D fail mid-answer, the proxy must know which
+tokens the client holds to have the rest computed elsewhere
+(``kvbridge/serving/recovery.py``; the client's events are rewritten by
+``continuation.py``). Pure functions; the proxy does the HTTP.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "FirstToken",
+    "continuation_body",
     "covers_prompt",
     "decode_body",
     "first_event",
+    "fix_usage",
     "merge_answer",
     "only_first",
     "plan",
     "prefill_body",
     "release_body",
-    "rewrite_events",
+    "sampled",
     "take",
 ]
 
@@ -68,20 +74,24 @@ def plan(body: dict[str, Any]) -> bool:
         isinstance(prompt, list) and bool(prompt)
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
     max_tokens = body.get("max_tokens")
-    sampled = body.get("temperature", 1.0) != 0
     return (
         single
         and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 2
         and body.get("n", 1) in (1, None) and body.get("best_of", 1) in (1, None)
         and not body.get("echo") and body.get("logprobs") is None and not body.get("stop")
         and not body.get("presence_penalty") and not body.get("frequency_penalty")
-        and not (sampled and body.get("seed") is not None)
+        and not (sampled(body) and body.get("seed") is not None)
         # vLLM then writes a special token right after another without its
         # leading space, knowing "after another" from its output only: t1 would
         # be in D's prompt.
         and not (body.get("skip_special_tokens") is False
                  and body.get("spaces_between_special_tokens") is False)
     )
+
+
+def sampled(body: dict[str, Any]) -> bool:
+    """Whether the request samples (vLLM's completions default to temperature 1)."""
+    return bool(body.get("temperature", 1.0) != 0)
 
 
 def prefill_body(body: dict[str, Any], first_token: bool) -> dict[str, Any]:
@@ -173,11 +183,26 @@ def covers_prompt(first: FirstToken, params: dict[str, Any] | None) -> bool:
 def decode_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any] | None
                 ) -> dict[str, Any]:
     """What D is asked: the rest of the answer after P's token."""
+    return continuation_body(body, first, [first.token_id], params)
+
+
+def continuation_body(body: dict[str, Any], first: FirstToken, done_ids: Sequence[int],
+                      params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The rest of the answer after ``done_ids``, the answer's first tokens (P's first).
+
+    They join the prompt: a backend continues from them as it would have after
+    sampling them itself (with ``params``: loading the prompt's KV from P; without:
+    computing it). A stream's token ids are always asked for (the module docstring
+    says why).
+    """
+    num_done = len(done_ids)
     d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    d_body["prompt"] = [*first.prompt_ids, first.token_id]
-    d_body["max_tokens"] = body["max_tokens"] - 1
+    d_body["prompt"] = [*first.prompt_ids, *done_ids]
+    d_body["max_tokens"] = body["max_tokens"] - num_done
+    if body.get("stream") is True:
+        d_body["return_token_ids"] = True
     if isinstance(body.get("min_tokens"), int):
-        d_body["min_tokens"] = max(0, body["min_tokens"] - 1)
+        d_body["min_tokens"] = max(0, body["min_tokens"] - num_done)
     if params is not None:
         d_body["kv_transfer_params"] = params
     return d_body
@@ -190,20 +215,20 @@ def release_body(body: dict[str, Any], first: FirstToken, params: dict[str, Any]
             "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": params}
 
 
-def _fix_choice(choice: dict[str, Any], first: FirstToken, wants_ids: bool,
-                prepend: bool) -> None:
-    if prepend:
-        choice["text"] = first.text + str(choice.get("text") or "")
-        if isinstance(choice.get("token_ids"), list):  # D gave its tokens: P's comes first
-            choice["token_ids"] = [first.token_id, *choice["token_ids"]]
+def _fix_choice(choice: dict[str, Any], first: FirstToken, wants_ids: bool) -> None:
+    choice["text"] = first.text + str(choice.get("text") or "")
+    if isinstance(choice.get("token_ids"), list):  # D gave its tokens: P's comes first
+        choice["token_ids"] = [first.token_id, *choice["token_ids"]]
     if isinstance(choice.get("prompt_token_ids"), list):
         choice["prompt_token_ids"] = first.prompt_ids if wants_ids else None
 
 
-def _fix_usage(usage: Any) -> None:
+def fix_usage(usage: Any, num_moved: int) -> None:
+    """Count ``num_moved`` tokens of a backend's prompt as output (the client's prompt
+    did not have them); ``usage`` is changed in place (anything but a usage: ignored)."""
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        usage["prompt_tokens"] -= 1
-        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
+        usage["prompt_tokens"] -= num_moved
+        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + num_moved
 
 
 def merge_answer(body: dict[str, Any], first: FirstToken, d_answer: dict[str, Any]
@@ -213,11 +238,11 @@ def merge_answer(body: dict[str, Any], first: FirstToken, d_answer: dict[str, An
     wants_ids = bool(body.get("return_token_ids"))
     choices = [dict(c) for c in merged.get("choices") or [] if isinstance(c, dict)]
     for choice in choices[:1]:
-        _fix_choice(choice, first, wants_ids, prepend=True)
+        _fix_choice(choice, first, wants_ids)
     merged["choices"] = choices
     if isinstance(merged.get("usage"), dict):
         merged["usage"] = dict(merged["usage"])
-        _fix_usage(merged["usage"])
+        fix_usage(merged["usage"], 1)
     return merged
 
 
@@ -245,40 +270,3 @@ def first_event(body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
     event = {key: first.answer.get(key) for key in ("id", "created", "model")}
     event.update(object="text_completion", choices=[choice])
     return event
-
-
-async def rewrite_events(body: dict[str, Any], first: FirstToken, chunks: AsyncIterator[bytes]
-                         ) -> AsyncIterator[bytes]:
-    """D's SSE stream as the client must see it after P's token.
-
-    Each ``data:`` event is a JSON object: its prompt token ids lose t1 (the
-    client's prompt did not have it), its usage counts t1 as output, its id is
-    P's. Bytes are passed on per whole event; a non-JSON event passes as it is.
-    """
-    wants_ids = bool(body.get("return_token_ids"))
-    pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        *events, pending = pending.split(b"\n\n")
-        for raw in events:
-            yield _rewrite_event(raw, first, wants_ids) + b"\n\n"
-    if pending:
-        yield pending
-
-
-def _rewrite_event(raw: bytes, first: FirstToken, wants_ids: bool) -> bytes:
-    if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
-        return raw
-    try:
-        event = json.loads(raw[6:])
-    except ValueError:
-        return raw
-    if not isinstance(event, dict):
-        return raw
-    if "id" in event and first.answer.get("id") is not None:
-        event["id"] = first.answer["id"]
-    for choice in event.get("choices") or []:
-        if isinstance(choice, dict):
-            _fix_choice(choice, first, wants_ids, prepend=False)
-    _fix_usage(event.get("usage"))
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode()

@@ -1,4 +1,5 @@
-"""The engine server's ``/metrics``: Prometheus exposition through ``prometheus_client``.
+"""``/metrics`` of the engine server and of the P/D proxy: Prometheus text through
+``prometheus_client``.
 
 ``server.py`` owns one :class:`ServerMetrics`: the HTTP-level counters and
 latency histograms its handlers update per request, plus a ``CollectorRegistry``
@@ -18,6 +19,10 @@ Format: text version 0.0.4, one ``# HELP`` and ``# TYPE`` line per family::
     # HELP kvbridge_cache_free_blocks KV cache blocks free for allocation.
     # TYPE kvbridge_cache_free_blocks gauge
     kvbridge_cache_free_blocks 95.0
+
+``proxy.py`` owns one :class:`ProxyMetrics` (its own registry, no engine
+families), counted by ``recovery.py``. Importing this module loads no torch
+(the engine's stats are only a type here): the proxy starts quickly.
 """
 
 from __future__ import annotations
@@ -26,15 +31,19 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvbridge.connector.stats import ConnectorStats, histogram_family
-from kvbridge.engine.engine import EngineStats
 
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS_S", "Histogram", "ServerMetrics", "engine_families"]
+if TYPE_CHECKING:
+    from kvbridge.engine.engine import EngineStats
+
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS_S", "Histogram", "ProxyMetrics", "ServerMetrics",
+           "engine_families"]
 
 #: ``Content-Type`` of the exposition.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -190,3 +199,46 @@ class ServerMetrics:
 
     def _counter(self, name: str, help_text: str, value: float) -> Metric:
         return CounterMetricFamily(f"{self.prefix}_{name}", help_text, value=value)
+
+
+class ProxyMetrics:
+    """What the P/D proxy counts, with a registry of its own (``GET /metrics`` of the proxy).
+
+    One event loop updates it: no locking. The object is its registry's collector.
+
+    Args:
+        prefix: Metric name prefix (``kvbridge`` -> ``kvbridge_proxy_...``).
+
+    Attributes:
+        num_resent: First-token continuations sent again after their D failed, by the
+            role that got the copy (``decode``: another or the same D, without
+            P's params; ``prefill``: a P).
+        num_unfinished: First-token continuations no backend could finish (the
+            client got an error after P's token).
+        registry: This proxy's own ``CollectorRegistry``.
+    """
+
+    def __init__(self, prefix: str = "kvbridge") -> None:
+        self.prefix = prefix
+        self.num_resent: Counter[str] = Counter()
+        self.num_unfinished = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def exposition(self) -> bytes:
+        """The whole ``/metrics`` page, as Prometheus text (version 0.0.4)."""
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterable[Metric]:
+        """The families of one scrape (``prometheus_client`` collector protocol)."""
+        resent = CounterMetricFamily(
+            f"{self.prefix}_proxy_continuations_resent_total",
+            "First-token continuations sent again after D failed, by the role that got "
+            "them (decode: recomputing the prompt; prefill: P continues).", labels=["role"])
+        for role in ("decode", "prefill"):
+            resent.add_metric([role], self.num_resent[role])
+        unfinished = CounterMetricFamily(
+            f"{self.prefix}_proxy_continuations_unfinished_total",
+            "First-token continuations no backend could finish (the client got an error).",
+            value=self.num_unfinished)
+        return [resent, unfinished]

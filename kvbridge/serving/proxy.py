@@ -2,7 +2,8 @@
 
 ``kvbridge proxy`` (``kvbridge/cli/proxy.py``) serves :func:`build_proxy_app`
 with uvicorn: ``POST /v1/completions`` and ``POST /v1/chat/completions`` go P
-then D, ``GET /v1/models`` is D's answer, ``GET /health`` reports every backend.
+then D, ``GET /v1/models`` is D's answer, ``GET /health`` reports every backend,
+``GET /metrics`` the proxy's counters.
 Per request, with round robin over each pool::
 
     client --body--> proxy --body + max_tokens=1, stream=false,
@@ -28,22 +29,27 @@ per choice and hand out the params of one) and the answers merged
 
 P answering without ``kv_transfer_params`` (no connector) is not an error: D
 then prefills locally. A 4xx from a backend (the client's mistake) is passed
-through; a backend that fails, answers 5xx or exceeds its time limit gives the
-client a 502 with the reason (or, mid-stream, an SSE error event). Every backend
-call has a time limit. When P has prefilled but D never gets the request
-carrying P's params (D refused it, or the client left after P's first token
-and before D was asked), the proxy asks D in the
-background for one token with them, so that P's blocks are read and let go at
-once rather than held for nobody until their lease ends. ``GET /health``
-reports every backend's health.
+through; in the classic flow, a backend that fails, answers 5xx or exceeds its
+time limit gives the client a 502 with the reason (or, mid-stream, an SSE
+error event). In the first-token flow, a D failing after P's token has the
+rest of the answer asked for again, from where the client's tokens end, from
+another D (or the same) that computes the prompt, then from a P
+(``recovery.py``); the client gets an error only when none can finish, and
+``GET /metrics`` counts both. Every backend call has a time limit. When P has
+prefilled but D never gets the request carrying P's params (D refused it, or
+the client left after P's first token and before D was asked), the proxy asks
+D in the background for one token with them, so that P's blocks are read and
+let go at once rather than held for nobody until their lease ends.
 
-Unhealthy backends (``backend_pool.py``): one that could not be
-reached or answered 5xx is skipped for ``unhealthy_backoff_s`` while another of
-its role is usable, and probed on ``/health`` before it gets requests again. A
+Unhealthy backends (``backend_pool.py``): one that could not be reached, did
+not answer in time or answered 502, 503 or 504 is skipped for
+``unhealthy_backoff_s`` while another of its role is usable, and probed on
+``/health`` before it gets requests again; a 500 fails its request only. A
 prefill whose connection failed is retried once on another P (the client has
-received nothing yet); a decode only when its connection never opened (D cannot
-have used P's blocks). A stream to the client is never retried. With no usable
-backend of a role the client gets 503 and, per backend, why.
+received nothing yet); a classic decode only when its connection never opened
+(D cannot have used P's blocks). A classic stream to the client is never
+retried. With no usable backend of a role the client gets 503 and, per
+backend, why. ``GET /health`` reports every backend's health.
 
 Imports no torch: the proxy starts in a fraction of a second.
 """
@@ -84,6 +90,8 @@ from kvbridge.serving.http_common import (
     sse_event,
     unless_client_gone,
 )
+from kvbridge.serving.metrics import CONTENT_TYPE, ProxyMetrics
+from kvbridge.serving.recovery import Continuer
 
 __all__ = ["PDProxy", "ProxyConfig", "build_proxy_app"]
 
@@ -172,6 +180,9 @@ class PDProxy:
         self.prefill_pool = BackendPool("prefill", config.prefill_urls, self._client, *limits)
         self.decode_pool = BackendPool("decode", config.decode_urls, self._client, *limits)
         self._background: set[asyncio.Task[None]] = set()
+        self.metrics = ProxyMetrics()
+        self._continuer = Continuer(self.decode_pool, self.prefill_pool, config.decode_timeout_s,
+                                    config.read_timeout_s, self.metrics, self._release_later)
 
     async def aclose(self) -> None:
         """Finish background calls, close the backend connections. Idempotent."""
@@ -325,52 +336,10 @@ class PDProxy:
                 event = first_token.first_event(body, first)
                 return Response(sse_event(event) + SSE_DONE, media_type="text/event-stream")
             return JSONResponse(first_token.only_first(body, first))
-        d_body = first_token.decode_body(body, first, params)
         if stream:
-            return ClosingStreamingResponse(self._stream_after(body, first, d_body, request_id))
-        try:
-            response, _ = await self.decode_pool.post(d_body, request_id,
-                                                      self.config.decode_timeout_s, stream=False)
-        except ClientErrorAnswer:
-            if params is not None:  # D refused it: P holds the prompt for nobody
-                self._release_later(first_token.release_body(body, first, params), request_id)
-            raise
-        try:
-            d_answer: object = response.json()
-        except ValueError:
-            d_answer = None
-        if not isinstance(d_answer, dict):
-            raise _bad_gateway(f"decode answered something other than a JSON object: "
-                               f"{response.text[:200]!r}")
-        return JSONResponse(first_token.merge_answer(body, first, d_answer))
-
-    async def _stream_after(self, body: dict[str, Any], first: first_token.FirstToken,
-                            d_body: dict[str, Any], request_id: str
-                            ) -> AsyncGenerator[bytes, None]:
-        """P's token as the first event, then D's stream; a failure of D ends it with an error."""
-        params = d_body.get("kv_transfer_params")
-        d_refused = asked_d = False
-        try:
-            yield sse_event(first_token.first_event(body, first))
-            asked_d = True
-            response, url = await self.decode_pool.post(d_body, request_id,
-                                                        self.config.decode_timeout_s, True)
-        except ApiError as exc:
-            yield sse_event(error_body(str(exc), exc.kind)) + SSE_DONE
-            return
-        except ClientErrorAnswer as exc:
-            d_refused = True
-            yield sse_event(error_body(f"decode refused the continuation: "
-                                       f"{exc.response.text[:300]}", "bad_gateway")) + SSE_DONE
-            return
-        finally:
-            # the client left after P's token (D never asked), or D refused: D reads
-            # nothing, so P's blocks go now rather than at the end of their lease
-            if (d_refused or not asked_d) and isinstance(params, dict):
-                self._release_later(first_token.release_body(body, first, params), request_id)
-        relayed = self._relay(response, url, COMPLETIONS)
-        async for chunk in first_token.rewrite_events(body, first, relayed):
-            yield chunk
+            return ClosingStreamingResponse(self._continuer.stream(body, first, params,
+                                                                   request_id))
+        return JSONResponse(await self._continuer.answer(body, first, params, request_id))
 
     def _release_later(self, d_body: dict[str, Any], request_id: str,
                        api: Api = COMPLETIONS) -> None:
@@ -410,13 +379,17 @@ class PDProxy:
         except (httpx.HTTPError, TimeoutError) as exc:
             reason = f"silent for {limit_s} s" if isinstance(exc, TimeoutError) else repr(exc)
             logger.warning("decode %s stream broke: %s", url, reason)
-            if is_lost_connection(exc):
+            if isinstance(exc, TimeoutError) or is_lost_connection(exc):
                 self.decode_pool.mark_down(base_url, f"stream broke: {reason}")
             # The blank line ends an event the broken stream may have left half-written.
             error = error_body(f"decode {url} failed mid-stream: {reason}", "bad_gateway")
             yield b"\n\n" + sse_event(error) + SSE_DONE
         finally:
             await response.aclose()
+
+    async def metrics_page(self) -> Response:
+        """``GET /metrics``: the proxy's counters (``ProxyMetrics``), Prometheus text."""
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def health(self) -> JSONResponse:
         """``GET /health``: 200 when at least one P and one D are healthy, else 503.
@@ -480,6 +453,7 @@ def build_proxy_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | N
     app.add_api_route("/v1/chat/completions", proxy.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/metrics", proxy.metrics_page, methods=["GET"])
     app.state.proxy = proxy
     return app
 

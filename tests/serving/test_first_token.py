@@ -1,155 +1,32 @@
-"""The proxy's first-token path, in-process, against a fake vLLM P and D sharing one "model".
-
-The fake model is a deterministic next-token function of the whole sequence, so
-a colocated greedy answer is known exactly; P and D speak vLLM's completion
-format (``return_token_ids``, ``prompt_token_ids`` on the choice, ``usage``,
-SSE events) and render text as vLLM's incremental detokenizer does
-(:class:`Detokenizer`), down to a character split over two tokens. The real
-thing, through real vLLM servers, is in ``tests/integrations/vllm/test_pd.py``.
+"""The proxy's first-token path, in-process, against a fake vLLM P and D sharing one "model"
+(``fake_vllm.py``: a colocated greedy answer is known exactly, text rendered as
+vLLM's incremental detokenizer does). D failing after P's token:
+``test_recovery.py``. The real thing, through real vLLM servers, is in
+``tests/integrations/vllm/test_pd.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import codecs
-import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.serving import first_token
-from kvbridge.serving.proxy import ProxyConfig, build_proxy_app
-
-EOS = 1
-SPLIT = 150  # the fake model answers it with "é" in two tokens: LEAD, then TRAIL
-LEAD, TRAIL = 200, 201
-_BYTES = {LEAD: "é".encode()[:1], TRAIL: "é".encode()[1:]}
-
-
-def next_token(ids: list[int]) -> int:
-    """The fake model's greedy choice after ``ids`` (EOS after a 99, "é" after a SPLIT)."""
-    if ids[-1] in (SPLIT, LEAD):
-        return LEAD if ids[-1] == SPLIT else TRAIL
-    return EOS if ids[-1] == 99 else (sum(ids) * 31 + len(ids)) % 97 + 2
-
-
-def _ends_inside_a_character(data: bytes) -> bool:
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(data)
-    return bool(decoder.getstate()[0])
-
-
-class Detokenizer:
-    """vLLM's incremental detokenizer (tokenizers' ``DecodeStream``) as measured.
-
-    Primed with the prompt; each token's text is everything not yet shown, or
-    nothing while the bytes end inside a character (which it keeps for the
-    next token: a request that stops there never shows them). Primed with a
-    prompt that ends inside a character, it has shown none of the prompt, so
-    the token that completes the character brings the prompt's text with it.
-    """
-
-    def __init__(self, prompt: list[int]) -> None:
-        self._bytes = b"".join(map(token_bytes, prompt))
-        self._shown = 0 if _ends_inside_a_character(self._bytes) else len(self._bytes)
-
-    def step(self, token: int) -> str:
-        self._bytes += token_bytes(token)
-        if _ends_inside_a_character(self._bytes):
-            return ""
-        text = self._bytes[self._shown:].decode("utf-8", "replace")
-        self._shown = len(self._bytes)
-        return text
-
-
-def colocated(prompt: list[int], max_tokens: int) -> list[int]:
-    out: list[int] = []
-    while len(out) < max_tokens:
-        out.append(next_token(prompt + out))
-        if out[-1] == EOS:
-            break
-    return out
-
-
-def token_bytes(token: int) -> bytes:
-    return _BYTES.get(token) or f"<{token}>".encode()
-
-
-def text_of(ids: list[int], prompt: list[int] | None = None) -> str:
-    """The text of an answer ``ids`` to ``prompt``, as a colocated server shows it."""
-    detokenizer = Detokenizer(prompt or [])
-    return "".join(detokenizer.step(t) for t in ids)
-
-
-@dataclass
-class Server:
-    """A fake vLLM server (P or D) that records the bodies it got."""
-
-    name: str
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    fail: bool = False
-    short: bool = False  # as P: stops one token short of the prompt (a recurrent state)
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        async def completions(request: Request) -> Response:
-            body = json.loads(await request.body())
-            self.bodies.append(body)
-            if self.fail:
-                return JSONResponse({"error": {"message": "boom", "type": "x"}}, 500)
-            prompt = body["prompt"]
-            ids = [int(c) for c in prompt.split()] if isinstance(prompt, str) else prompt
-            params = body.get("kv_transfer_params") or {}
-            short = self.short and params.get("do_remote_decode")
-            out = colocated(ids[:-1] if short else ids, body["max_tokens"])
-            wants = bool(body.get("return_token_ids"))
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                     "total_tokens": len(ids) + len(out)}
-            reason = "stop" if out[-1] == EOS else "length"
-            kv = ({"do_remote_prefill": True, "remote_num_tokens": len(ids) - bool(short),
-                   "grant": "g" * 16}
-                  if params.get("do_remote_decode") else None)
-            if body.get("stream"):
-                return StreamingResponse(self._events(ids, out, wants, usage, reason),
-                                         media_type="text/event-stream")
-            choice = {"index": 0, "text": text_of(out, ids), "finish_reason": reason,
-                      "token_ids": out if wants else None,
-                      "prompt_token_ids": ids if wants else None}
-            return JSONResponse({"id": f"cmpl-{self.name}", "created": 1, "model": "m",
-                                 "object": "text_completion", "choices": [choice],
-                                 "usage": usage, "kv_transfer_params": kv})
-
-        app.add_api_route("/v1/completions", completions, methods=["POST"])
-        return app
-
-    async def _events(self, ids: list[int], out: list[int], wants: bool,
-                      usage: dict[str, int], reason: str) -> AsyncIterator[bytes]:
-        detokenizer = Detokenizer(ids)
-        for i, token in enumerate(out):
-            choice: dict[str, Any] = {"index": 0, "text": detokenizer.step(token),
-                                      "finish_reason": reason if i == len(out) - 1 else None}
-            if wants:
-                choice["token_ids"] = [token]
-                if i == 0:
-                    choice["prompt_token_ids"] = ids
-            event = {"id": f"cmpl-{self.name}", "created": 1, "model": "m", "choices": [choice]}
-            yield f"data: {json.dumps(event)}\n\n".encode()
-        yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-
-class Hosts(httpx.AsyncBaseTransport):
-    def __init__(self, servers: list[Server]) -> None:
-        self._apps = {s.name: httpx.ASGITransport(app=s.app()) for s in servers}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self._apps[request.url.host].handle_async_request(request)
+from tests.serving.fake_vllm import (
+    EOS,
+    LEAD,
+    SPLIT,
+    TRAIL,
+    Detokenizer,
+    Server,
+    always,
+    answer_of,
+    ask_all,
+    colocated,
+    events,
+    text_of,
+)
 
 
 def ask(body: dict[str, Any], *, d_fails: bool = False, first: bool = True,
@@ -161,29 +38,10 @@ def ask(body: dict[str, Any], *, d_fails: bool = False, first: bool = True,
 def ask_at_once(bodies: list[dict[str, Any]], *, d_fails: bool = False, first: bool = True,
                 p_short: bool = False) -> tuple[list[httpx.Response], Server, Server]:
     """Send every body to one proxy at the same time; the answers in the bodies' order."""
-    p, d = Server("p", short=p_short), Server("d", fail=d_fails)
-    config = ProxyConfig(("http://p",), ("http://d",), first_token=first)
-
-    async def main() -> list[httpx.Response]:
-        app = build_proxy_app(config, transport=Hosts([p, d]))
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-
-                async def one(body: dict[str, Any]) -> httpx.Response:
-                    response = await client.post("/v1/completions", json=body, timeout=30)
-                    await response.aread()
-                    return response
-
-                return list(await asyncio.gather(*map(one, bodies)))
-
-    return asyncio.run(main()), p, d
-
-
-def events(response: httpx.Response) -> list[dict[str, Any]]:
-    raw = [e for e in response.text.split("\n\n") if e]
-    assert raw[-1] == "data: [DONE]"
-    return [json.loads(e.removeprefix("data: ")) for e in raw[:-1]]
+    p = Server("p", short=p_short)
+    d = Server("d", fail_if=always) if d_fails else Server("d")
+    responses, _ = ask_all(bodies, [p], [d], first_token=first)
+    return responses, p, d
 
 
 PROMPT = [5, 17, 3, 40, 8]
@@ -292,22 +150,6 @@ def test_classic_flow_when_disabled_or_when_p_gives_no_token_ids() -> None:
     # a character split over P's token and the next: only D decoding both gets it right
     half = {**whole, "text": "\ufffd"}
     assert first_token.take({"choices": [half]}) is None
-
-
-def test_a_decode_failing_after_ps_token_ends_the_stream_with_an_error() -> None:
-    response, _, _ = ask({**BASE, "stream": True}, d_fails=True)
-    got = events(response)
-    assert got[0]["choices"][0]["token_ids"] == [colocated(PROMPT, 1)[0]]
-    assert "error" in got[-1] and "502" not in response.text.split("\n")[0]
-
-
-def answer_of(response: httpx.Response, stream: bool) -> tuple[list[int], str]:
-    """The client's tokens and text, from one JSON answer or from its events."""
-    assert response.status_code == 200, response.text
-    choices = ([c for e in events(response) for c in e["choices"]] if stream
-               else response.json()["choices"])
-    tokens = [t for c in choices for t in c.get("token_ids") or []]
-    return tokens, "".join(c["text"] for c in choices)
 
 
 SPLIT_PROMPT = [5, 17, SPLIT]

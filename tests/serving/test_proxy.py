@@ -52,8 +52,9 @@ class Backend:
             self.bodies.append(body)
             if self.mode == "400":
                 return JSONResponse({"error": {"message": "bad max_tokens", "type": "x"}}, 400)
-            if self.mode == "500":
-                return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, 500)
+            if self.mode in ("500", "502", "503", "504"):
+                return JSONResponse({"error": {"message": "boom", "type": "server_error"}},
+                                    int(self.mode))
             if self.mode == "stall":
                 await asyncio.sleep(30)
             if body.get("stream"):
@@ -116,13 +117,21 @@ class Routes(httpx.AsyncBaseTransport):
 
 def run(backends: list[Backend], prefill: list[str], decode: list[str],
         scenario: Callable[[httpx.AsyncClient], Awaitable[T]], **limits: Any) -> T:
+    return run_with_proxy(backends, prefill, decode,
+                          lambda client, _: scenario(client), **limits)
+
+
+def run_with_proxy(backends: list[Backend], prefill: list[str], decode: list[str],
+                   scenario: Callable[[httpx.AsyncClient, PDProxy], Awaitable[T]],
+                   **limits: Any) -> T:
+    """``run``, the scenario also given the proxy (to look at its pools)."""
     config = ProxyConfig(backend_urls(prefill), backend_urls(decode), **limits)
 
     async def main() -> T:
         app = build_proxy_app(config, transport=Routes(backends))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://proxy", timeout=60) as client:
-            return await scenario(client)
+            return await scenario(client, app.state.proxy)
 
     return asyncio.run(main())
 
@@ -497,13 +506,41 @@ def test_a_dropped_connection_is_retried_for_prefill_only(role: str) -> None:
         assert num_bodies == {"p1": 1, "p2": 0, "d1": 1, "d2": 0}
 
 
-def test_a_5xx_answer_marks_the_backend_down_without_retry() -> None:
+def test_a_500_fails_its_request_only_and_the_backend_keeps_serving() -> None:
     p1, p2, d = Backend("p1", mode="500"), Backend("p2"), Backend("d")
 
-    async def scenario(client: httpx.AsyncClient) -> list[int]:
-        return [(await client.post("/v1/completions", json=REQUEST)).status_code
-                for _ in range(3)]
+    async def scenario(client: httpx.AsyncClient, proxy: PDProxy) -> list[int]:
+        codes = [(await client.post("/v1/completions", json=REQUEST)).status_code
+                 for _ in range(3)]
+        assert not proxy.prefill_pool.is_down("http://p1")
+        return codes
 
-    # p1 answered (P may hold the prompt): no retry, 502; then p1 is skipped
-    assert run([p1, p2, d], ["p1", "p2"], ["d"], scenario) == [502, 200, 200]
-    assert (len(p1.bodies), len(p2.bodies)) == (1, 2)
+    # p1 answered (P may hold the prompt): no retry, 502; a 500 says nothing about
+    # p1 itself (vLLM's answer to one failed request): round robin goes on through it
+    assert run_with_proxy([p1, p2, d], ["p1", "p2"], ["d"], scenario) == [502, 200, 502]
+    assert (len(p1.bodies), len(p2.bodies)) == (2, 1)
+
+
+@pytest.mark.parametrize("status, num_later_on_d1", [
+    ("500", 2),  # e.g. D's KV load failed under vLLM's kv_load_failure_policy "fail"
+    ("503", 0), ("502", 0), ("504", 0),  # the server (or a gateway before it) cannot serve
+    ("stall", 0),  # no answer within the limit
+])
+def test_only_answers_about_the_server_shift_load_away_from_a_decode(
+        status: str, num_later_on_d1: int) -> None:
+    """Two Ds: d1 fails one request; of the four later ones it gets its round-robin
+    share, unless its failure said the server itself cannot serve (then d2 takes them
+    for the back-off)."""
+    p, d1, d2 = Backend("p"), Backend("d1", mode=status), Backend("d2")
+
+    async def scenario(client: httpx.AsyncClient, proxy: PDProxy) -> list[int]:
+        codes = [(await client.post("/v1/completions", json=REQUEST)).status_code]
+        assert proxy.decode_pool.is_down("http://d1") == (num_later_on_d1 == 0)
+        d1.mode = "ok"
+        for _ in range(4):
+            codes.append((await client.post("/v1/completions", json=REQUEST)).status_code)
+        return codes
+
+    codes = run_with_proxy([p, d1, d2], ["p"], ["d1", "d2"], scenario, decode_timeout_s=0.5)
+    assert codes == [502, 200, 200, 200, 200]  # classic flow: D's failure is the client's
+    assert (len(d1.bodies), len(d2.bodies)) == (1 + num_later_on_d1, 4 - num_later_on_d1)
