@@ -33,7 +33,7 @@ def add_proxy_parser(subparsers: Subparsers[argparse.ArgumentParser]) -> argpars
                               "prefill on P, decode on D",
                               description="OpenAI-style P/D proxy with round robin over "
                               "each pool: /v1/completions, /v1/chat/completions, /v1/models "
-                              "(a D's), /health.")
+                              "(a D's), /health, /metrics.")
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill instances (http://host:port or host:port)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",

@@ -94,7 +94,7 @@ class Continuer:
         failed_url: str | None = None
         for leg in range(3):
             leg_params = params if leg == 0 else None
-            pool = self._pool_of(leg, failures)
+            pool = self._pool_of(leg, failures, request_id)
             try:
                 response, url = await pool.post(
                     first_token.decode_body(body, first, leg_params), request_id,
@@ -139,7 +139,7 @@ class Continuer:
                     failures.append("the answer so far ends inside a character and is "
                                     "sampled: no backend can continue it as it is")
                     break
-                pool = self._pool_of(leg, failures)
+                pool = self._pool_of(leg, failures, request_id)
                 if leg == 0:
                     leg_body = first_token.decode_body(body, first, params)
                 else:
@@ -184,14 +184,14 @@ class Continuer:
             if (refused or not asked_d) and params is not None:
                 self._release(first_token.release_body(body, first, params), request_id)
 
-    def _pool_of(self, leg: int, failures: list[str]) -> BackendPool:
+    def _pool_of(self, leg: int, failures: list[str], request_id: str) -> BackendPool:
         """The pool of ``leg`` (0: D with P's params; 1: a D again; 2: a P), counting the
         copies sent again."""
         if leg == 0:
             return self._decode_pool
         pool = self._decode_pool if leg == 1 else self._prefill_pool
-        logger.warning("the rest of a first-token answer goes to %s after: %s", pool.role,
-                       failures[-1] if failures else "?")
+        logger.warning("%s: the rest of the answer goes to a %s, after: %s", request_id,
+                       pool.role, failures[-1] if failures else "?")
         self._metrics.num_resent[pool.role] += 1
         return pool
 

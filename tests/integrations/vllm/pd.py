@@ -74,6 +74,30 @@ def pd_spec(model: Path, instance: str) -> ServerSpec:
                       kv_transfer_config=json.dumps(ZERO_CONFIG), instance=instance)
 
 
+#: A built-in chat template of vLLM's, by name (the float32 tiny Llama has none).
+CHAT_TEMPLATE = "template_chatml.jinja"
+
+
+def fp32_spec(model: Path, instance: str = "", *extra_args: str,
+              kv_transfer_config: str = json.dumps(ZERO_CONFIG)) -> ServerSpec:
+    """A float32 tiny-Llama server (``tiny_llama_fp32``: wide logits, no near ties), by
+    default with the zero config; no ``instance``/``extra_args``: test_pd_tp.py's TP 1."""
+    return ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE,
+                      kv_transfer_config=kv_transfer_config, extra_args=extra_args,
+                      instance=instance)
+
+
+def router_specs(model: Path) -> tuple[ServerSpec, ServerSpec, ServerSpec]:
+    """test_router.py's P, D and second server (test_pd_tp.py's TP 1), which
+    test_proxy_xpyd.py shares: P with the zero config, D loading asynchronously (a
+    synchronous load the loaded CI machine makes miss its deadline fails its request
+    under vLLM's default policy; test_pd.py covers synchronous loads); both serve chat."""
+    return (fp32_spec(model, "router-p", "--chat-template", CHAT_TEMPLATE),
+            fp32_spec(model, "router-d", "--chat-template", CHAT_TEMPLATE,
+                      kv_transfer_config=kv_config(sync_load_max_bytes=0)),
+            fp32_spec(model))
+
+
 #: The mixed server's synchronous-load threshold, in blocks (larger loads are asynchronous).
 SYNC_BLOCKS = 4
 
@@ -241,10 +265,12 @@ def wait_usage(url: str, at_most: float = 0.0, timeout_s: float = 15.0) -> float
 
 
 @contextmanager
-def kvbridge_proxy(p_url: str, d_url: str, log_path: Path, *, classic: bool = False
-                   ) -> Iterator[str]:
-    """``kvbridge proxy`` in front of one P and one D (``classic``: without the
-    first-token flow); yields its URL."""
+def kvbridge_proxy(p_url: str | list[str], d_url: str | list[str], log_path: Path, *,
+                   classic: bool = False) -> Iterator[str]:
+    """``kvbridge proxy`` in front of P and D (a URL each, or lists for xPyD; ``classic``:
+    without the first-token flow); yields its URL."""
+    p_urls = [p_url] if isinstance(p_url, str) else p_url
+    d_urls = [d_url] if isinstance(d_url, str) else d_url
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -254,9 +280,9 @@ def kvbridge_proxy(p_url: str, d_url: str, log_path: Path, *, classic: bool = Fa
                 "kvbridge.cli",
                 "proxy",
                 "--prefill",
-                p_url,
+                *p_urls,
                 "--decode",
-                d_url,
+                *d_urls,
                 "--port",
                 str(port),
                 "--log-level",

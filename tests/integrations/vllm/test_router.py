@@ -10,11 +10,13 @@ no params refused, one transfer per request, every prompt token but the last
 loaded from P. (The router re-encodes the params, and its JSON parser reads
 floats to within 1 ULP: P's ``expires_at`` is whole seconds for that.)
 
-Servers: the float32 tiny Llama (wide logits: no near ties). P and D here also
-serve chat (vLLM's built-in ChatML template: the tiny model has none); P has
-the zero config, D loads asynchronously (``d_spec``); the colocated answers
-are P's, asked without ``kv_transfer_params``. The second P of the two-P test
-is test_pd_tp.py's TP 1 server, still running when the whole package runs.
+Servers (``pd.router_specs``): the float32 tiny Llama (wide logits: no near
+ties). P and D here also serve chat (vLLM's built-in ChatML template: the tiny
+model has none); P has the zero config, D loads asynchronously; the colocated
+answers are P's, asked without ``kv_transfer_params``. The second P of the
+two-P test, and the second D of the two-D test, is test_pd_tp.py's TP 1
+server, still running when the whole package runs (test_proxy_xpyd.py, run
+just before, uses the same three).
 The router runs as the real program, a child process on a free port.
 """
 
@@ -47,57 +49,33 @@ from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     BYTES,
     FAILURES,
+    HELD_REQUESTS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
     TRANSFERS,
-    ZERO_CONFIG,
     answer,
     at_once,
     counters,
-    kv_config,
     prompt_ids,
+    router_specs,
     wait_usage,
 )
-from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+from tests.integrations.vllm.servers import ServersForTest, VllmServer
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 4 bytes (float32)
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 4
-CHAT_TEMPLATE = "template_chatml.jinja"  # one of vLLM's built-in templates, by name
-
-
-def spec(model: Path, instance: str = "", *extra_args: str,
-         kv_transfer_config: str = json.dumps(ZERO_CONFIG)) -> ServerSpec:
-    """A float32 server, by default with the zero config; no ``instance``/``extra_args``:
-    test_pd_tp.py's TP 1."""
-    return ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE,
-                      kv_transfer_config=kv_transfer_config, extra_args=extra_args,
-                      instance=instance)
 
 
 @pytest.fixture
-def p_spec(tiny_llama_fp32: Path) -> ServerSpec:
-    return spec(tiny_llama_fp32, "router-p", "--chat-template", CHAT_TEMPLATE)
-
-
-@pytest.fixture
-def d_spec(tiny_llama_fp32: Path) -> ServerSpec:
-    """D loads asynchronously: a synchronous load the loaded CI machine makes miss its
-    deadline (``sync_load_deadline_s``) fails its request under vLLM's default policy;
-    test_pd.py covers synchronous loads."""
-    return spec(tiny_llama_fp32, "router-d", "--chat-template", CHAT_TEMPLATE,
-                kv_transfer_config=kv_config(sync_load_max_bytes=0))
-
-
-@pytest.fixture
-def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path, p_spec: ServerSpec,
-            d_spec: ServerSpec) -> tuple[VllmServer, VllmServer, VllmServer]:
-    """P, D and the second P, asked for together by every test here: the pool then
-    keeps the second P (running already when the package runs whole) while it
-    starts the other two, and stops none of them between these tests."""
-    p, d, p2 = vllm_servers.shared_all(p_spec, d_spec, spec(tiny_llama_fp32))
+def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path
+            ) -> tuple[VllmServer, VllmServer, VllmServer]:
+    """P, D and the second P (``pd.router_specs``), asked for together by every test
+    here: the pool then keeps the second P (running already when the package runs
+    whole) while it starts the other two, and stops none of them between these tests."""
+    p, d, p2 = vllm_servers.shared_all(*router_specs(tiny_llama_fp32))
     return p, d, p2
 
 
@@ -281,4 +259,32 @@ def test_two_prefill_servers_behind_vllm_router(
                  [PROMPT_TOKENS] - n for server, n in zip((p, p2), prefilled_before, strict=True)]
     assert all(prefilled) and sum(prefilled) == sum(len(prompt) for prompt in prompts), prefilled
     for server in (p, p2, d):
+        wait_usage(server.base_url)
+
+
+def test_two_decode_servers_behind_vllm_router(
+    servers: tuple[VllmServer, VllmServer, VllmServer], tmp_path: Path
+) -> None:
+    """1P2D: the router sends decodes to both Ds in turn; each reads its prompts from
+    P, and P holds nothing afterwards."""
+    p, d, d2 = servers
+    model = str(p.spec.model)
+    prompts = [prompt_ids(n, seed=70 + i) for i, n in enumerate((150, 330, 40, 610))]
+    expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
+    before = {server.base_url: counters(server.base_url) for server in (d, d2)}
+    with vllm_router([p], [d, d2], tmp_path / "router.log") as router:
+        got = at_once([partial(answer, router, completion_body(model, prompt, stream=i % 2 == 1))
+                       for i, prompt in enumerate(prompts)])
+    assert [tokens for tokens, _ in got] == expected
+    moved = {}
+    for url, counts in before.items():
+        after = poll_metrics(url, lambda m, c=counts: m.get(TRANSFERS, 0.0) + m.get(FAILURES, 0.0)
+                             >= c[TRANSFERS] + c[FAILURES] + 2)
+        moved[url] = {name: after.get(name, 0.0) - counts[name]
+                      for name in (TRANSFERS, FAILURES, PARAMS_REFUSED)}
+    # round robin: each D read two of the four prompts (which two is the router's)
+    assert [m[TRANSFERS] for m in moved.values()] == [2, 2], moved
+    assert all(m[FAILURES] == m[PARAMS_REFUSED] == 0 for m in moved.values()), moved
+    poll_metrics(p.base_url, lambda m: m.get(HELD_REQUESTS, 1) == 0, timeout_s=15)
+    for server in (p, d, d2):
         wait_usage(server.base_url)
