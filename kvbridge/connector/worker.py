@@ -29,9 +29,10 @@ which still runs every step of the path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import msgspec
 import torch
@@ -318,6 +319,18 @@ class ConnectorWorker:
                 num_local_copies=int(read.ok and read.num_local_copies > 0),
             ))
         return sending, recving
+
+    def cancel_reads(self, request_ids: Collection[str], quiesce_s: float = 2.0
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Cancel loads in flight (``TransferAgent.cancel_reads``): the future resolves
+        with the ids whose reads no longer write their blocks, within about
+        ``quiesce_s``. Each cancelled load is reported failed with a later
+        ``get_output``, once (its blocks in ``invalid_block_ids``).
+
+        Raises:
+            ConfigError: ``register_kv_caches`` was not called.
+        """
+        return self._require_agent().cancel_reads(request_ids, quiesce_s)
 
     def take_failed_recving(self) -> set[str]:
         """Requests among ``done_recving`` whose load failed, since the last call.

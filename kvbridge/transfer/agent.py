@@ -41,12 +41,13 @@ the work to the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -507,6 +508,36 @@ class TransferAgent:
             time.monotonic(), notify_only=True, ok=ok,
         )
         running.loop.call_soon_threadsafe(running.reads.submit, job)
+
+    def cancel_reads(self, request_ids: Collection[str], quiesce_s: float = 2.0
+                     ) -> concurrent.futures.Future[set[str]]:
+        """Cancel reads in flight; the future says which of them no longer write our blocks.
+
+        For an engine that gives up a load (late at its deadline) and will reuse
+        its blocks (recompute into them, or free them): a read given up without
+        this could go on writing them. Each cancelled read ends failed
+        (``ReadCancelledError`` in its stats), reported once like any failure,
+        after it made sure nothing of it writes into its local blocks any more
+        (``reading/reads.py``); its server is told it gave up. Any thread; reads
+        started before by this thread are among those cancelled.
+
+        Args:
+            request_ids: the reads to cancel (ids with no read in flight: nothing
+                to do, and nothing of them writes).
+            quiesce_s: how long the reads may take to end.
+
+        Returns:
+            A future (never failing) resolved within about ``quiesce_s`` with the
+            ids sure to write nothing more; the others' reads end later, failed,
+            and their blocks must stay theirs until that outcome comes.
+        """
+        running = self._running
+        if running is None or self._closed:
+            done: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
+            done.set_result(set())  # no loop to ask: promise nothing
+            return done
+        return asyncio.run_coroutine_threadsafe(
+            running.reads.cancel(set(request_ids), quiesce_s), running.loop)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Return and forget ``(done_sending, done_recving)`` request ids.

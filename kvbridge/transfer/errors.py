@@ -19,6 +19,7 @@ Hierarchy::
             NoReadServedError ... one naming no read the server serves (no
                                   verdict on the read)
         ReplyPendingError     a second wait for a reply already awaited on a link
+        ReadCancelledError    the reader's engine cancelled the read (``cancel_reads``)
       ConfigError
         MissingPortError      a read needs a remote rank its per-rank port list lacks
 """
@@ -85,6 +86,12 @@ class ReplyPendingError(TransferError):
     Raised before anything is sent; the first waiter keeps the reply. Means two
     reads in flight drew one xfer id, or one read renewed its grant twice at once.
     """
+
+
+class ReadCancelledError(TransferError):
+    """The reading engine cancelled the read (``TransferAgent.cancel_reads``): a load
+    late at its deadline. Its blocks are reported failed like any other failure's;
+    the engine recomputes them or fails the request, as its policy says."""
 
 
 class MissingPortError(ConfigError):

@@ -9,7 +9,13 @@ posted); ``finish`` waits for all of them, or the server's refusal, under one de
 
 A read given up with receives posted ends the link unless the server refused
 it (then nothing was sent and the receives are unposted): bytes may still be
-landing in our blocks. The serving half is ``serving/direct.py``.
+landing in our blocks. A read cancelled by its engine (``Reads.cancel``: a
+load late at its deadline) first withdraws the receives no chunk matched yet
+(``UcxConnection.withdraw_recv``) and lets the chunks already arriving land
+(``chunk_timeout_s`` at most); then nothing of it can write into our blocks any
+more (``quiet``), and the link goes on (the server's later chunks find no
+receive: UCX keeps them as strays, which the worker drops). The serving half
+is ``serving/direct.py``.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DirectRead(BegunRead):
         self.channels = channels
         self.result = result
         self.settled = False
+        self.quiet = True  # False once given up with a receive that may still land
 
     @classmethod
     def begin(cls, link: PeerLink, setup: ReadSetup) -> DirectRead:
@@ -144,6 +151,10 @@ class DirectRead(BegunRead):
                 raise PeerTimeoutError(
                     f"direct read from {self.link.peer}: not all in within {timeout_s}s"
                 ) from None
+        except asyncio.CancelledError as exc:
+            await self._withdraw()
+            self._settle(exc)
+            raise
         except BaseException as exc:
             self._settle(exc)
             raise
@@ -151,7 +162,30 @@ class DirectRead(BegunRead):
         return self.result
 
     def abandon(self) -> None:
-        self._settle(PeerClosedError("read abandoned before it was awaited"))
+        if self.settled:
+            return
+        self._withdraw_now()
+        self._settle(asyncio.CancelledError("read abandoned before it was awaited"))
+
+    def _withdraw_now(self) -> list[asyncio.Future[None]]:
+        """Withdraw the receives no chunk matched yet; return the chunks still landing."""
+        conn = self.link.conn
+        landing = []
+        for channel, arrived in zip(self.channels, self.arrivals, strict=False):
+            if not arrived.done() and (conn.closed or not conn.withdraw_recv(channel)):
+                landing.append(arrived)
+        self.quiet = not landing
+        return landing
+
+    async def _withdraw(self) -> None:
+        """Cancelled: withdraw the receives no chunk matched yet, and let the chunks
+        already landing land (``chunk_timeout_s`` at most), so that nothing of this
+        read writes into our blocks once it has ended (``quiet``)."""
+        landing = self._withdraw_now()
+        if not landing:
+            return
+        await asyncio.wait(landing, timeout=self.link.ctx.config.chunk_timeout_s)
+        self.quiet = all(arrived.done() for arrived in landing)
 
     def _settle(self, error: BaseException | None) -> None:
         """End the read once: on failure unpost what is left, or give up the link."""
@@ -168,6 +202,8 @@ class DirectRead(BegunRead):
             for channel, arrived in zip(self.channels, self.arrivals, strict=False):
                 if not arrived.done():
                     link.conn.cancel_recv(channel)
+        elif isinstance(error, asyncio.CancelledError) and self.quiet:
+            pass  # withdrawn or landed (``_withdraw``): nothing lands any more, the link goes on
         else:  # bytes may still be landing in our blocks: the link is done
             link.fail(error if isinstance(error, TransferError) else
                       PeerClosedError("direct read abandoned with receives posted"))

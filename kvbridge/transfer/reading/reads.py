@@ -33,8 +33,8 @@ from a peer after the first, with TP alike or D's TP a multiple of P's),
 ``submit`` begins that read on the spot: receives posted and request sent
 before the job's task first runs; the task only awaits it.
 
-A little over 400 lines: one class owning the links, the jobs in flight and
-their outcomes, whose methods all work on that one state.
+About 600 lines: one class owning the links, the jobs in flight and their
+outcomes, whose methods all work on that one state (cancelling a job too).
 
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
@@ -50,6 +50,18 @@ more, from a new handshake and a plan made from the peer's fresh metadata::
 
     attempt 1: cached links (maybe stale) -> everything fails, not a word back
     attempt 2: new links, new handshake, new plan -> the outcome, whatever it is
+
+The engine may cancel reads in flight (``cancel``: a load late at its
+deadline, whose blocks it wants to recompute or free). A cancelled job ends
+failed (``ReadCancelledError``, reported like any failure, once) after each of
+its reads made sure nothing of it writes into our blocks any more: a direct
+read withdraws its receives and lets chunks already landing land, a staged
+one lets its unpack under way end, a same-host copy stops its copy threads
+(``strategy.BegunRead.quiet``). Its servers are told it gave up
+(``ReadDone(ok=False)``, not awaited: a stopped server must not hold the
+cancel). ``cancel`` says which jobs ended so within its deadline; for the
+others (a chunk that went on landing) the engine must keep the blocks until
+their outcome comes.
 """
 
 from __future__ import annotations
@@ -61,13 +73,15 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ReadPlan, RemoteRead, build_read_plan
 from kvbridge.transfer.errors import (
     LeaseRefusedError,
     NoReadServedError,
+    ReadCancelledError,
     RejectedError,
     TransferError,
 )
@@ -95,6 +109,17 @@ _VERDICTS = frozenset({
 })
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One job's task in flight, and what ``cancel`` needs to know of it."""
+
+    task: asyncio.Task[None] | None = None
+    started: tuple[PeerLink, BegunRead] | None = None  # begun by ``submit``, until it runs
+    ran: bool = False  # the task has begun running (it owns ``started`` from then on)
+    cancelled: bool = False  # by ``cancel`` (not by ``close``): record the failure
+    quiet: bool = True  # no read of it may write into our blocks once it ended
+
+
 class Reads:
     """Jobs in flight and their outcomes (see the module docstring)."""
 
@@ -111,6 +136,7 @@ class Reads:
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._opening: dict[tuple[str, int], asyncio.Task[PeerLink]] = {}
         self._jobs: set[asyncio.Task[None]] = set()
+        self._flights: dict[str, _Flight] = {}  # reads in flight (not notices), by request
         self._plans: weakref.WeakKeyDictionary[PeerLink, ReadPlan] = weakref.WeakKeyDictionary()
         self._reports: set[asyncio.Future[None]] = set()  # done reports being sent
         # Done reports of inline reads not sent yet, and whether the loop will look.
@@ -206,9 +232,51 @@ class Reads:
                 self._record(job, [done], [], 1)
                 self._report_later(started[0], job, done)
                 return
-        task = asyncio.create_task(self._run(job, cached, started))
+        flight = _Flight(started=started)
+        task = asyncio.create_task(self._run(job, cached, flight))
+        flight.task = task
         self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
+        if not job.notify_only:
+            self._flights[job.request_id] = flight
+        task.add_done_callback(lambda _: self._ended(job, flight))
+
+    def _ended(self, job: ReadJob, flight: _Flight) -> None:
+        """A job's task is done; one cancelled before it first ran lets go of its read."""
+        assert flight.task is not None
+        self._jobs.discard(flight.task)
+        if self._flights.get(job.request_id) is flight:
+            del self._flights[job.request_id]
+        if flight.ran or flight.started is None:
+            return
+        link, begun = flight.started
+        link.abandon(begun)
+        flight.quiet = begun.quiet
+        if flight.cancelled:
+            self._record(job, [], [_cancelled(job)], 1)
+
+    async def cancel(self, request_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Cancel the reads of ``request_ids`` in flight; wait until nothing of them
+        writes into our blocks any more, ``timeout_s`` at most (see the module docstring).
+
+        Returns:
+            The ids sure to write nothing more: each cancelled job that ended in
+            time with every read quiet, and each id with no read in flight (ended
+            before, made inline, or never started). The others' jobs end later,
+            failed; their blocks must stay theirs until then.
+        """
+        flights = {}
+        for request_id in request_ids:
+            flight = self._flights.get(request_id)
+            if flight is not None and flight.task is not None and not flight.task.done():
+                flight.cancelled = True
+                flight.task.cancel()
+                flights[request_id] = flight
+        tasks = [flight.task for flight in flights.values() if flight.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return {request_id for request_id in request_ids
+                if (flight := flights.get(request_id)) is None
+                or (flight.task is not None and flight.task.done() and flight.quiet)}
 
     def _begin_at_once(self, job: ReadJob) -> tuple[PeerLink, BegunRead] | None:
         """Begin the read now, before its task first runs, if nothing needs awaiting.
@@ -246,19 +314,21 @@ class Reads:
 
     async def _run(
         self, job: ReadJob, cached: dict[tuple[str, int], tuple[PeerLink, int]],
-        started: tuple[PeerLink, BegunRead] | None,
+        flight: _Flight,
     ) -> None:
+        flight.ran = True
+        started = flight.started
         results: list[ItemResult] = []
         errors: list[BaseException] = []
         num_ranks = 0
         try:
             async with asyncio.timeout(self._ctx.config.read_timeout_s):
                 try:
-                    num_ranks, outcomes = await self._attempt(job, started)
+                    num_ranks, outcomes = await self._attempt(job, flight, started)
                 except (TransferError, KVBridgeError) as exc:  # planning failed
                     outcomes = [exc]
                 if self._drop_stale(job, cached, outcomes):
-                    num_ranks, outcomes = await self._attempt(job)
+                    num_ranks, outcomes = await self._attempt(job, flight)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     errors.append(outcome)
@@ -266,16 +336,24 @@ class Reads:
                     results.append(outcome)
         except (TransferError, KVBridgeError, TimeoutError) as exc:
             errors.append(exc)
+        except asyncio.CancelledError:
+            if not flight.cancelled:  # the agent closes: no outcome
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            errors.append(_cancelled(job))
         except Exception as exc:  # a bug must still end the request, never hang it
             logger.exception("read %s crashed", job.request_id)
             errors.append(exc)
         finally:
             if started is not None:  # cancelled before it was awaited: let go of it
                 started[0].abandon(started[1])
+                flight.quiet = flight.quiet and started[1].quiet
         self._record(job, results, errors, num_ranks)
 
     async def _attempt(
-        self, job: ReadJob, started: tuple[PeerLink, BegunRead] | None = None
+        self, job: ReadJob, flight: _Flight, started: tuple[PeerLink, BegunRead] | None = None
     ) -> tuple[int, list[ItemResult | None | BaseException]]:
         """Plan from rank 0's metadata and run every item: ``(num_ranks, outcomes)``.
 
@@ -283,7 +361,7 @@ class Reads:
         """
         if started is not None:
             try:
-                return 1, [await self._run_item(job, started[1].item, started)]
+                return 1, [await self._run_item(job, flight, started[1].item, started)]
             except Exception as exc:  # what gather(return_exceptions=True) would collect
                 return 1, [exc]
         first = await self._link(job, 0)
@@ -297,13 +375,14 @@ class Reads:
         if len(plan.items) == 1:  # the common case: no gather (it costs a task per item)
             try:
                 outcomes: list[ItemResult | None | BaseException] = [
-                    await self._run_item(job, plan.items[0])
+                    await self._run_item(job, flight, plan.items[0])
                 ]
             except Exception as exc:  # what gather(return_exceptions=True) would collect
                 outcomes = [exc]
         else:
             outcomes = await asyncio.gather(
-                *(self._run_item(job, item) for item in plan.items), return_exceptions=True
+                *(self._run_item(job, flight, item) for item in plan.items),
+                return_exceptions=True,
             )
         return len(plan.items), outcomes
 
@@ -339,7 +418,8 @@ class Reads:
         return True
 
     async def _run_item(
-        self, job: ReadJob, item: RemoteRead, started: tuple[PeerLink, BegunRead] | None = None
+        self, job: ReadJob, flight: _Flight, item: RemoteRead,
+        started: tuple[PeerLink, BegunRead] | None = None,
     ) -> ItemResult | None:
         link = started[0] if started is not None else await self._link(job, item.remote_rank)
         if job.notify_only or not item.read:
@@ -348,6 +428,7 @@ class Reads:
         # The lease covers most reads: start renewing only once one runs that long.
         renewer: list[asyncio.Task[None]] = []
         due: asyncio.TimerHandle | None = None
+        begun: BegunRead | None = None
         try:
             begun = started[1] if started is not None else link.begin(link.prepare(item, job))
             due = asyncio.get_running_loop().call_later(
@@ -361,12 +442,18 @@ class Reads:
                 # The read ran to its end (a pinned grant outlives its lease until its
                 # reads end), but the server no longer stands behind the grant.
                 raise refused
+        except asyncio.CancelledError:
+            if link.alive:  # not awaited: a stopped server must not hold the cancel
+                link.post_quietly(wire.ReadDone(job.grant, self.reader_id, False))
+            raise
         except BaseException:
             if link.alive:
                 with contextlib.suppress(TransferError):
                     await link.notify(job.grant, self.reader_id, False)
             raise
         finally:
+            if begun is not None and not begun.quiet:
+                flight.quiet = False
             if due is not None:
                 due.cancel()
             for task in renewer:
@@ -495,6 +582,11 @@ class Reads:
             report.cancel()
         await asyncio.gather(*self._reports, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self._links.values()))
+
+
+def _cancelled(job: ReadJob) -> ReadCancelledError:
+    return ReadCancelledError(f"read {job.request_id} from {job.engine_id} cancelled by "
+                              f"this engine (a load late at its deadline)")
 
 
 def _refusal(renewer: list[asyncio.Task[None]]) -> LeaseRefusedError | None:

@@ -9,12 +9,18 @@ inside a block). Nothing is started before ``finish``::
     -> for each chunk i: wait; unpack (executor thread, overlaps the next
        chunk on the wire); repost the buffer for chunk i+w; Credit(i+w+1)
 
+Chunks land in staging buffers, never in our blocks: only an unpack writes
+there. A read cancelled by its engine (``Reads.cancel``) lets the unpack under
+way end before it ends itself, so nothing of it writes into our blocks after
+that (the link is given up: receives stay posted in its staging buffers).
+
 The serving half is ``serving/staged.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -68,6 +74,7 @@ class StagedRead(BegunRead):
         try:
             await receiver.run(item, self.setup.local_block_ids, self.setup.tokens)
         except BaseException:
+            self.quiet = receiver.unpacking is None or receiver.unpacking.done()
             receiver.give_back(broken=True)
             raise
         receiver.give_back(broken=False)
@@ -87,6 +94,7 @@ class _ChunkReceiver:
         self.link, self.ctx, self.xfer_id, self.wire_fmt = link, ctx, xfer_id, wire_fmt
         self.bufs, self.num_blocks, self.chunk_blocks = bufs, num_blocks, chunk_blocks
         self.num_chunks = math.ceil(num_blocks / chunk_blocks)
+        self.unpacking: concurrent.futures.Future[None] | None = None  # the last unpack
 
     def _blocks_in(self, chunk: int) -> int:
         return min(self.chunk_blocks, self.num_blocks - chunk * self.chunk_blocks)
@@ -106,7 +114,6 @@ class _ChunkReceiver:
         layers = local.layers[item.local_layers.start : item.local_layers.stop]
         local_ids = list(local_block_ids[tokens.first_local_block :])
         block_tokens = self.chunk_blocks * self.wire_fmt.block_size
-        loop = asyncio.get_running_loop()
         for chunk in range(self.num_chunks):
             arrived = posted.pop(chunk)
             await self.link.conn.wait(arrived, timeout_s=cfg.chunk_timeout_s, what="chunk")
@@ -116,15 +123,29 @@ class _ChunkReceiver:
                 chunk * block_tokens, blocks * self.wire_fmt.block_size
             )
             staged = as_tensor(buf[: self.wire_fmt.nbytes(blocks)])
-            await loop.run_in_executor(
-                self.ctx.executor, _unpack, staged, self.wire_fmt, blocks, layers, local_ids,
+            self.unpacking = self.ctx.executor.submit(
+                _unpack, staged, self.wire_fmt, blocks, layers, local_ids,
                 local.topology.layout, item.local_head_offset, chunk_tokens, token_offset,
                 src_offset,
             )
+            await self._unpacked(self.unpacking)
             following = chunk + window
             if following < self.num_chunks:
                 posted[following] = self._post(following)
                 await self.link.send(wire.Credit(self.xfer_id, following + 1))
+
+    @staticmethod
+    async def _unpacked(unpacking: concurrent.futures.Future[None]) -> None:
+        """Wait for an unpack; cancelled, still until it no longer writes our blocks
+        (one that has not started never will)."""
+        unpacked = asyncio.wrap_future(unpacking)
+        try:
+            await asyncio.shield(unpacked)
+        except asyncio.CancelledError:
+            unpacked.add_done_callback(_retrieved)
+            if not unpacking.cancel():  # running: one chunk's unpack, let it end
+                await asyncio.wait([unpacked])
+            raise
 
     def give_back(self, *, broken: bool) -> None:
         for buf in self.bufs:
@@ -134,6 +155,12 @@ class _ChunkReceiver:
                 self.ctx.pool.release(buf)
         if broken:
             self.link.fail(PeerClosedError("read abandoned with receives posted"))
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """An unpack nobody awaits any more: its error is not news."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _unpack(

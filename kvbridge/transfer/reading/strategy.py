@@ -104,6 +104,10 @@ class BegunRead(ABC):
     (unless ``finished_now`` returned a result). All on the agent's loop.
     """
 
+    #: Nothing of this read can write into our blocks any more (meaningful once it
+    #: ended): False while a chunk given up may still land in them (``direct.py``).
+    quiet: bool = True
+
     def __init__(self, link: PeerLink, setup: ReadSetup) -> None:
         self.link = link
         self.setup = setup

@@ -190,6 +190,29 @@ class UcxConnection:
         if not self._closed:
             self._worker.complete_abandoned(self._tag(self.local_id, channel))
 
+    def withdraw_recv(self, channel: int) -> bool:
+        """Withdraw the receives posted on ``channel`` that no message has matched yet.
+
+        ``ucp_request_cancel`` takes such a receive off UCX's expected queue and
+        completes it at once (canceled: its future fails with ``PeerClosedError``
+        on the worker's next pass). A receive a message already matched cannot be
+        withdrawn: UCX goes on landing that message in its buffer until it is
+        whole (its future then resolves).
+
+        Returns:
+            True when no receive of ``channel`` can write into its buffer any more.
+        """
+        value = self._tag_value(self.local_id, channel)
+        quiet = True
+        for tag, request in self._recvs:
+            if tag.value != value or request.completed:
+                continue
+            if isinstance(request, UcpRequest) and not self._closed:
+                request.cancel(self._worker.handle)
+            quiet = quiet and request.completed
+        self._worker.wake()  # the futures of what completed resolve on its next pass
+        return quiet
+
     def post_send(self, buf: Bytes, channel: int, *, busy: bool = True) -> asyncio.Future[None]:
         """Post a send of a contiguous uint8 buffer on ``channel``; return its future.
 

@@ -320,6 +320,10 @@ class UcxWorker:
         request = self._self_endpoint.tag_send(empty, tag)
         self.track(request, empty, busy=False).add_done_callback(ignore_outcome)
 
+    def wake(self) -> None:
+        """Make the driver look at the requests now (one completed outside progress)."""
+        self._wakeup.set()
+
     @property
     def handle(self) -> int:
         """The ``ucp_worker_h`` (for libucp calls made outside ucxx)."""
