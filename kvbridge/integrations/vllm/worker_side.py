@@ -18,26 +18,33 @@ polling delay to the transfer.
 
 Synchronous loads (``StepMetadata.sync_loads``, small reads the step's forward
 computes on): ``start_load_kv`` returns when they have ended, well or not, or
-when their deadline (``VllmSettings.sync_load_deadline_s``) has passed,
-whichever comes first: a slow or stopped P never holds the whole batch for
-longer. Not under ``kv_load_failure_policy`` ``recompute``: vLLM would
-recompute the request into the same blocks while the given-up read goes on
-writing them (whole blocks: the slots of D's new tokens too, so later tokens
-would be wrong; seen in CI). There the forward waits for the read to end, on
-the agent's own deadlines; ending a late read before its blocks are reused
-is not built yet. What the agent reported meanwhile is kept and reported by this
-step's ``get_finished``, failed blocks included, so vLLM drops a token
-computed on blocks that did not arrive. A load still running at its deadline
-counts as failed: its blocks are reported invalid at once (vLLM recomputes
-them, or fails the request, as its policy says), and its read goes on in the
-background until the agent's own deadlines end it. Its blocks stay the
-request's until then (``VllmSchedulerSide`` delays their free), and what it
-reports when it ends is not reported again. A late read writes the same
-prompt's KV that D recomputes (the grant is bound to the prompt).
+soon after their deadline (``VllmSettings.sync_load_deadline_s``), whichever
+comes first: a slow or stopped P never holds the whole batch for longer. What
+the agent reported meanwhile is kept and reported by this step's
+``get_finished``, failed blocks included, so vLLM drops a token computed on
+blocks that did not arrive.
+
+A load still running at its deadline is *late*: its read is cancelled
+(``ConnectorWorker.cancel_reads``), which ends it once nothing of it can write
+into its blocks any more (``_QUIESCE_S`` at most, usually well under a
+millisecond: receives withdrawn, copy threads stopped), and its blocks are
+reported invalid at once: vLLM recomputes them or fails the request, as its
+``kv_load_failure_policy`` says. A read given up without that would go on
+writing whole blocks over what vLLM recomputes into them (the slots of D's new
+tokens too: a wrong token, seen in CI before the cancel existed). What the
+cancelled read reports when it ends is not reported again.
+
+A read the cancel could not quiet in time (a chunk that went on landing) still
+may write its blocks: under ``recompute`` the forward then waits for it to end,
+on the agent's own deadlines (``_late_backstop_s``, so a broken agent cannot
+stop vLLM for good); under ``fail`` its request, failed, keeps its blocks until
+the read ends (``VllmSchedulerSide`` delays their free). A late read writes the
+same prompt's KV that D recomputes (the grant is bound to the prompt).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -64,6 +71,9 @@ __all__ = ["VllmWorkerSide"]
 
 logger = logging.getLogger(__name__)
 
+#: How long the forward waits for late synchronous loads to be cancelled (see the
+#: module docstring): a chunk landing when the cancel came lands first.
+_QUIESCE_S = 2.0
 
 
 def written_block_ids(recv: RecvRequest, block_size: int) -> set[int]:
@@ -87,11 +97,11 @@ class VllmWorkerSide:
                  pp_rank: int, *, recompute: bool = False) -> None:
         self.facts, self.settings = facts, settings
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
-        # vLLM recomputes a failed load into the same blocks: a load given up at its
-        # deadline would go on writing them (whole blocks, D's new tokens' slots too)
-        # there the wait ends with the read, which the agent ends by read_timeout_s;
-        # the backstop below only keeps a broken agent from stopping vLLM for good
-        self._late_backstop_s = settings.agent_config().read_timeout_s + 5.0 if recompute else 0.0
+        # vLLM recomputes a failed load into the same blocks: a late load whose read
+        # the cancel could not quiet is waited for (it ends by the agent's
+        # read_timeout_s; the backstop only keeps a broken agent from stopping vLLM)
+        self._recompute = recompute
+        self._late_backstop_s = settings.agent_config().read_timeout_s + 5.0
         self._worker: ConnectorWorker | None = None
         self._news = threading.Event()  # set from the agent's thread: something ended
         self._sending: set[str] = set()  # reported by the agent, not yet to vLLM
@@ -156,34 +166,64 @@ class VllmWorkerSide:
             self._finish_sync_loads(worker, blocks)
 
     def _finish_sync_loads(self, worker: ConnectorWorker, blocks: dict[str, set[int]]) -> None:
-        """Wait until every read in ``blocks`` has ended, or their deadline has passed.
+        """Wait until every read in ``blocks`` has ended, or cancel those late at their
+        deadline (see the module docstring).
 
         Args:
             blocks: the local blocks each synchronous load writes, by request.
         """
         self._num_sync_loads += len(blocks)
         waiting = set(blocks)
-        deadline = time.monotonic() + (self._late_backstop_s
-                                       or self.settings.sync_load_deadline_s)
+        self._wait_for(worker, waiting, self.settings.sync_load_deadline_s)
+        if not waiting:
+            return
+        quiet = self._cancel(worker, waiting)
+        self._give_up(waiting & quiet, blocks)  # before their reports are collected
+        stuck = waiting - quiet
+        if not stuck:
+            return
+        logger.warning("synchronous loads of %s: their reads, cancelled, may still land in "
+                       "their blocks after %.1fs%s", sorted(stuck), _QUIESCE_S,
+                       "; waiting for them to end (the agent's read_timeout_s)"
+                       if self._recompute else "")
+        if self._recompute:  # else their requests, failed, keep the blocks meanwhile
+            self._wait_for(worker, stuck, self._late_backstop_s)  # ended: reported as such
+        self._give_up(stuck, blocks)
+
+    def _give_up(self, late: set[str], blocks: dict[str, set[int]]) -> None:
+        """Report late loads' blocks invalid now; what their reads report later is not
+        reported again."""
+        if not late:
+            return
+        logger.warning("synchronous loads of %s still running after sync_load_deadline_s "
+                       "(%.3fs): cancelled, vLLM recomputes or fails their requests",
+                       sorted(late), self.settings.sync_load_deadline_s)
+        self._num_late_sync_loads += len(late)
+        for request_id in late:
+            self._late[request_id] = blocks[request_id]
+            self._invalid |= blocks[request_id]
+
+    def _wait_for(self, worker: ConnectorWorker, waiting: set[str], timeout_s: float) -> None:
+        """Collect the agent's news until the reads in ``waiting`` ended (each taken out
+        of it) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
         while True:
             self._news.clear()
             self._collect(worker, worker.get_output())
             waiting -= self._recving
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
-                break
+                return
             self._news.wait(min(left, 1.0))
-        if not waiting:
-            return
-        logger.warning("synchronous loads of %s still running after %.3fs "
-                       "(sync_load_deadline_s, or the agent's read_timeout_s under "
-                       "recompute): given up, vLLM fails or recomputes their requests; the "
-                       "reads go on in the background", sorted(waiting),
-                       self._late_backstop_s or self.settings.sync_load_deadline_s)
-        self._num_late_sync_loads += len(waiting)
-        for request_id in waiting:
-            self._late[request_id] = blocks[request_id]
-            self._invalid |= blocks[request_id]
+
+    @staticmethod
+    def _cancel(worker: ConnectorWorker, request_ids: set[str]) -> set[str]:
+        """Cancel the reads of ``request_ids``; those sure to write their blocks no more."""
+        cancelled = worker.cancel_reads(request_ids, _QUIESCE_S)
+        try:
+            return cancelled.result(_QUIESCE_S + 1.0)
+        except concurrent.futures.TimeoutError:  # the agent's loop did not answer
+            return set()
 
     def _collect(self, worker: ConnectorWorker, output: KVConnectorOutput) -> None:
         self._sending |= output.finished_sending or set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,7 @@ from tests.integrations.vllm.pd import (
     warm_up,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(900)]
 
@@ -94,27 +96,74 @@ def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Pa
 
 def check_a_stopped_p_stalls_no_forward(p: VllmServer, d: VllmServer) -> None:
     """A synchronous load from a P that stopped (SIGSTOP: its listener still accepts,
-    nothing answers), on a D that recomputes failed loads: the forward waits for the
-    read to fail on the agent's deadlines (giving up earlier would let the read go on
-    writing the blocks vLLM recomputes into), then D recomputes the request."""
+    nothing answers), on a D that recomputes failed loads: the load is late at its
+    deadline, its read is cancelled (nothing of it writes the blocks vLLM recomputes
+    into) and D recomputes the request, while P is still stopped; a request already
+    decoding on D meanwhile keeps getting tokens (issue #29, bounded synchronous loads).
+    Before the cancel existed, the forward, and with it every request on D, waited for
+    the read to fail on the agent's deadlines (no late load counted)."""
     warm_up(p.base_url, d.base_url)  # D's first load from a P is asynchronous
     prompt = prompt_ids(300, seed=31)  # 3 blocks: synchronous
     expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids
     params = prefill(p.base_url, prompt)
     before = counters(d.base_url)
     assert p.pid is not None
-    os.killpg(p.pid, signal.SIGSTOP)
-    try:
-        done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
-        assert done.token_ids == expected
-        after = poll_metrics(d.base_url, lambda m: m.get(FAILURES, 0) > before[FAILURES],
-                             timeout_s=60)
-    finally:
-        os.killpg(p.pid, signal.SIGCONT)
-    assert after[LATE_SYNC_LOADS] == before[LATE_SYNC_LOADS]  # waited for, not given up
+    with Stream(d.base_url, prompt_ids(20, seed=32), max_tokens=6000) as other:
+        wait_until(lambda: other.num_chunks, 120.0, message="D's other request to decode")
+        os.killpg(p.pid, signal.SIGSTOP)
+        try:
+            done = complete(d.base_url, prompt, NUM_NEW_TOKENS, kv_transfer_params=params)
+            assert done.token_ids == expected  # recomputed
+            after = poll_metrics(d.base_url,
+                                 lambda m: m.get(LATE_SYNC_LOADS, 0) > before[LATE_SYNC_LOADS]
+                                 and m.get(FAILURES, 0) > before[FAILURES],
+                                 timeout_s=60)
+            seen = other.num_chunks
+            wait_until(lambda: other.num_chunks, 60.0, until=lambda num: num > seen,
+                       message="D's other request to go on decoding while P is stopped")
+            assert not other.ended, other.error  # it decoded all along, P still stopped
+        finally:
+            os.killpg(p.pid, signal.SIGCONT)
+    assert after[LATE_SYNC_LOADS] == before[LATE_SYNC_LOADS] + 1  # given up at the deadline
     assert after[SYNC_LOADS] == before[SYNC_LOADS] + 1
     assert after[TRANSFERS] == before[TRANSFERS]
+    assert after[FAILURES] == before[FAILURES] + 1
     wait_usage(d.base_url)
+
+
+class Stream:
+    """A streaming completion on D, read on a thread that counts its chunks; leaving
+    the ``with`` block closes it (vLLM aborts the request)."""
+
+    def __init__(self, base_url: str, prompt: list[int], max_tokens: int) -> None:
+        self.body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                     "ignore_eos": True, "stream": True}
+        self.url = f"{base_url}/v1/completions"
+        self.num_chunks = 0
+        self.ended = False
+        self.error: BaseException | None = None
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True, name="stream")
+
+    def __enter__(self) -> Stream:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._closing.set()
+        self._thread.join(60.0)
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=300.0) as response:
+                for line in response.iter_lines():
+                    if self._closing.is_set():
+                        return
+                    if line.startswith("data: {"):
+                        self.num_chunks += 1
+        except BaseException as exc:
+            self.error = exc
+        self.ended = True
 
 
 def test_a_peer_without_the_secret_is_refused(
