@@ -28,9 +28,10 @@ kvbridge's own engine:
   workers' ``finished_recving`` after kvbridge's own bookkeeping saw it. A
   failed synchronous load reports its blocks in the same step, so vLLM drops
   the token computed on them and recomputes or fails as its policy says. So
-  does one still running at its deadline (``sync_load_deadline_s``, policy
-  ``fail`` only: the workers wait for it under ``recompute``): its read goes
-  on in the background, so its request, failed, keeps its blocks
+  does one still running at its deadline (``sync_load_deadline_s``): the
+  workers cancel its read and report its blocks once nothing of it writes
+  them any more (``worker_side.py``), or, for a read the cancel could not
+  stop, at once under ``fail``: its request, failed, then keeps its blocks
   (``delay_free``) until the workers report the read ended.
   A load is synchronous only from a P this engine has read from before
   without a failure (a *warm* P): the first read from a P connects and

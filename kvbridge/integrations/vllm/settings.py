@@ -84,18 +84,19 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (about a millisecond per MiB on one host). Larger loads run
             asynchronously while other requests keep stepping. 0: every load
             asynchronous. Default (None): 4 MiB when D's
-            ``kv_load_failure_policy`` is ``recompute`` (the forward then waits
-            for the read to end, see ``sync_load_deadline_s``); 0 under vLLM's
-            default ``fail``, where a load late for its deadline would fail a
-            request whose read was merely slow (:func:`for_failure_policy`).
-            Set it under ``fail`` to accept that.
-        sync_load_deadline_s: under ``kv_load_failure_policy`` ``fail``, the
-            forward waits at most this long for the step's synchronous loads
-            (default 0.25 s); a load still running then counts as failed (vLLM
-            fails its request; its blocks are kept until the read ends), so a
-            slow or stopped P never stalls the whole batch for longer. Under
-            ``recompute`` the forward waits for the read to end: vLLM would
-            recompute into the blocks the given-up read goes on writing.
+            ``kv_load_failure_policy`` is ``recompute`` (a load late for its
+            deadline is recomputed); 0 under vLLM's default ``fail``, where a
+            load late for its deadline would fail a request whose read was
+            merely slow (:func:`for_failure_policy`). Set it under ``fail`` to
+            accept that.
+        sync_load_deadline_s: the forward waits at most this long for the
+            step's synchronous loads (default 0.25 s), so a slow or stopped P
+            never stalls the whole batch for longer. A load still running then
+            is late: its read is cancelled and, once nothing of it can still
+            write into its blocks, counts as failed (vLLM recomputes it or
+            fails its request, as its policy says; ``worker_side.py``). A read
+            the cancel cannot stop within 2 s is waited for under
+            ``recompute`` and keeps its failed request's blocks under ``fail``.
         model_id: identity P and D must share (default: the model's name
             and its architecture's sizes). Set it when P and D load the same
             weights from differently named paths.
@@ -181,8 +182,8 @@ def for_failure_policy(settings: VllmSettings, policy: str) -> VllmSettings:
 
     Under ``fail`` (vLLM's default) a synchronous load still running at
     ``sync_load_deadline_s`` ends its request in an error because P or the
-    machine was slow for a moment; under ``recompute`` the forward waits for
-    the read instead. So, unless the deployment set ``sync_load_max_bytes``,
+    machine was slow for a moment; under ``recompute`` D only recomputes it.
+    So, unless the deployment set ``sync_load_max_bytes``,
     loads are synchronous (up to ``SYNC_LOAD_MAX_BYTES``) only under
     ``recompute``.
     """
