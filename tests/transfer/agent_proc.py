@@ -196,6 +196,8 @@ def _child(conn: Connection) -> None:
         if cmd == "read_now":  # start_read, then what get_finished says at once (no wait)
             agent.start_read(**args)
             return agent.get_finished()[1], agent.get_failed_block_ids(), agent.get_stats()
+        if cmd == "cancel":  # (request_ids, quiesce_s): the ids cancel_reads says are quiet
+            return agent.cancel_reads(args[0], args[1]).result(args[1] + 10.0)
         if cmd == "notify":
             agent.notify_done(**args[0])
             return None

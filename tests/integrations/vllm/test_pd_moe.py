@@ -46,13 +46,17 @@ def test_moe_pd_answers_equal_colocated(
         late_before = counters(d.base_url)[LATE_SYNC_LOADS]
         result = pd_complete(p.base_url, d.base_url, prompt, expect_transfers=1)
         assert result.completion.token_ids == expected
-        assert (result.num_transfers, result.num_failures) == (1, 0)
+        late = counters(d.base_url)[LATE_SYNC_LOADS] > late_before
+        # a late load's read is cancelled (a failure, recomputed), unless it ended first
+        assert result.num_transfers + result.num_failures == 1
+        assert result.num_failures == 0 or late
         # every load here is small (synchronous), but the first from a P is not: it
         # connects to P's ranks, which no forward waits on; nor is one after a late
         # load (recomputed: a loaded machine), which turned P cold
         assert result.num_sync_loads == (0 if num_tokens == 5 or was_late else 1)
-        was_late = counters(d.base_url)[LATE_SYNC_LOADS] > late_before
+        was_late = late
         assert result.external_hits == num_tokens - 1
-        assert result.nbytes == -(-(num_tokens - 1) // BLOCK_SIZE) * MOE_BLOCK_NBYTES
+        if not result.num_failures:
+            assert result.nbytes == -(-(num_tokens - 1) // BLOCK_SIZE) * MOE_BLOCK_NBYTES
     wait_usage(p.base_url)
     wait_usage(d.base_url)
