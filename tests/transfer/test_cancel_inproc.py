@@ -4,7 +4,7 @@ once, failed, and writes nothing into its blocks after the cancel said so.
 Issue #29, "Bounded synchronous loads": vLLM recomputes a late load into the same
 blocks, so a cancelled read that went on writing them would give a wrong token.
 Each test reads from a real server session that holds every chunk back
-(``test_chunk_delay_s``), cancels once the first block landed, fills the blocks
+(``tests/slow_serving.py``), cancels once the first block landed, fills the blocks
 with a sentinel, lets the server send the rest (its chunks reach the reader's
 UCX worker and are dropped there as strays, or find the link gone), and checks
 the sentinel is still there; then a next read works. Both halves in this process
@@ -84,7 +84,7 @@ def test_a_cancelled_direct_read_lands_nothing_after_its_cancel() -> None:
     the receives no chunk matched yet; the chunks sent after it are dropped."""
 
     async def run() -> None:
-        async with server_and_reader({"test_chunk_delay_s": 0.3}) as (server, reader):
+        async with server_and_reader(chunk_delay_s=0.3) as (server, reader):
             await cancel_after_the_first_block(server, reader)
             stray_before = reader.worker.num_stray_dropped
             total = len(BLOCKS) * LAYERS * BLOCK_NBYTES
@@ -108,8 +108,8 @@ def test_a_cancelled_staged_read_unpacks_nothing_after_its_cancel() -> None:
     cancel lets the unpack under way end; the link is given up."""
 
     async def run() -> None:
-        server_cfg = {"test_chunk_delay_s": 0.3, "chunk_timeout_s": 1.0}
-        async with server_and_reader(server_cfg, {"direct_reads": False}) as (server, reader):
+        async with server_and_reader({"chunk_timeout_s": 1.0}, {"direct_reads": False},
+                                     chunk_delay_s=0.3) as (server, reader):
             await cancel_after_the_first_block(server, reader)
             # the server sends what the reader credited, then waits for credit in vain
             await wait_until_async(lambda: num_serving(server) == 0, 10.0,
@@ -126,7 +126,7 @@ def test_a_read_cancelled_before_its_task_ran_lets_go_of_its_receives() -> None:
     its task first ran: its receives are withdrawn, its failure reported."""
 
     async def run() -> None:
-        async with server_and_reader({"test_chunk_delay_s": 0.3}) as (server, reader):
+        async with server_and_reader(chunk_delay_s=0.3) as (server, reader):
             await read_again(server, reader)  # the link and plan are cached now
             server.ctx.grants.issue("late", BLOCKS, 1, lease_s=100.0, token=(tok := token()))
             reader.submit("late", tok, BLOCKS, LOCAL)  # receives posted, request sent
