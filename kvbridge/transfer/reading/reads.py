@@ -33,9 +33,6 @@ from a peer after the first, with TP alike or D's TP a multiple of P's),
 ``submit`` begins that read on the spot: receives posted and request sent
 before the job's task first runs; the task only awaits it.
 
-About 600 lines: one class owning the links, the jobs in flight and their
-outcomes, whose methods all work on that one state (cancelling a job too).
-
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
 
