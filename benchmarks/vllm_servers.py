@@ -77,6 +77,7 @@ class VllmServer:
         cpus: Cores the whole server may run on (its OpenMP threads are bound
             by ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``); None: any core.
         block_size: ``--block-size`` (a multiple of 32 on CPU).
+        dtype: ``--dtype``.
     """
 
     name: str
@@ -87,6 +88,7 @@ class VllmServer:
     env: Mapping[str, str] = field(default_factory=dict)
     cpus: frozenset[int] | None = None
     block_size: int = 128
+    dtype: str = "bfloat16"
     startup_timeout_s: float = 300.0
     pid: int | None = field(default=None, init=False)  # the API server's (= its group's)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
@@ -99,7 +101,7 @@ class VllmServer:
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(self.block_size)]
+                "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size)]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", self.kv_transfer_config]
         return argv

@@ -9,6 +9,8 @@ never kept on the board's word; and that what the board refuses lands nothing.
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -246,3 +248,46 @@ def test_copies_of_a_dead_link_are_forgotten_when_a_new_link_copies(agents: tupl
         read_now(server, reader, f"next-{n}", [1], [2])
     assert all(p.link.alive for p in inline_reader._prepared.values())
     assert len(inline_reader._prepared) == 1
+
+
+def board_maps(inode: int) -> int:
+    """Maps of the memfd ``inode`` in this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.split()[4] == str(inode) for line in maps)
+
+
+def test_a_server_gone_for_good_is_let_go_once_another_is_read_from(agents: tuple) -> None:
+    """A server that dies and comes back as another engine (vLLM makes up a new engine
+    id at each start) leaves a link to an engine nobody will name again. The reader
+    lets go of its map of the dead server's grant board (4 MiB of the dead server's
+    memory, and its caches where they are mapped) once the link is seen dead, and of
+    the link once it opens another."""
+    server, reader, _, _ = agents
+    reads = reader._running.reads  # type: ignore[union-attr]
+    first = TransferAgent("p-gone", TOPOLOGY, 0, 0, COMPAT, config=CONFIG)
+    first.register_kv_caches(caches(5))
+    first.start()
+    board = first.grants._board
+    assert board is not None and board.fd >= 0
+    inode = os.fstat(board.fd).st_ino
+    try:
+        for n in range(2):
+            token = first.issue_grant(f"gone-{n}", [3], 1)
+            reader.start_read(token.request_id, engine_id="p-gone", host="127.0.0.1",
+                              port=first.port, remote_block_ids=[3], local_block_ids=[4],
+                              grant=token.token, num_tokens=BLOCK_SIZE)
+            wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
+                       message="read")
+        assert board_maps(inode) == 2  # the server's own, and the reader's
+    finally:
+        first.close()
+    del first, board
+    gc.collect()
+    assert board_maps(inode) == 1  # the reader's
+    wait_until(lambda: not any(link.alive for key, link in reads._links.items()
+                               if key[0] == "p-gone"), 10.0, message="the link to die")
+    gc.collect()
+    assert board_maps(inode) == 0  # let go once its link died
+    for n in range(2):  # a link to another server (its second read is made inline)
+        read_now(server, reader, f"after-gone-{n}", [1], [2])
+    assert [key for key in reads._links if key[0] == "p-gone"] == []

@@ -145,6 +145,9 @@ class PeerLink:
                 future.set_exception(self._error)
         self._waiters.clear()
         self._conn.abort()
+        # Its maps of the server's memory (grant board, caches) are the dead server's
+        # memory: let them go now, not when the last reference to this link does.
+        self.same_host = None
         return self._error
 
     def drop_same_host(self) -> None:

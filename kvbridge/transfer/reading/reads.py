@@ -35,6 +35,7 @@ before the job's task first runs; the task only awaits it.
 
 Links are cached per (engine, rank) and reopened, with a fresh handshake and
 fresh metadata, after they die; concurrent jobs share one connection attempt.
+Opening one first drops every cached link that died, whatever its engine.
 
 A cached link may be stale without anyone knowing yet: its peer restarted at the
 same address (maybe with another TP size, block size or layout) sooner than
@@ -300,6 +301,7 @@ class Reads:
             return link
         opening = self._opening.get(key)
         if opening is None:
+            self._forget_dead_links()  # a new link: maybe to a server that replaced one
             opening = asyncio.create_task(
                 PeerLink.open(self._ctx, self._worker, job.host, port, job.engine_id, rank)
             )
@@ -308,6 +310,13 @@ class Reads:
         link = await asyncio.shield(opening)
         self._links[key] = link
         return link
+
+    def _forget_dead_links(self) -> None:
+        """Drop every link that died. A server that comes back as another engine (vLLM
+        makes up an engine id at each start) is never named again: its link, and what
+        it holds, would be kept for good."""
+        for key in [key for key, link in self._links.items() if not link.alive]:
+            del self._links[key]
 
     async def _run(
         self, job: ReadJob, cached: dict[tuple[str, int], tuple[PeerLink, int]],

@@ -212,7 +212,8 @@ class VllmServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="kvb-vllm-", dir="/tmp"))
         self._shm_before = frozenset(SHM_DIR.iterdir())
-        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+        # appended to: a server restarted on its port (``ServerPool.restart``) logs on
+        with self.log_path.open("ab") as log:  # the child keeps its own descriptor
             self._proc = subprocess.Popen(
                 self.spec.argv(self.port),
                 stdin=subprocess.DEVNULL,
@@ -283,6 +284,18 @@ class VllmServer:
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a host dying: no goodbye to anyone) and wait
+        until it is gone; ``stop()`` (or ``ServerPool.restart``) then cleans up after it."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+        deadline = time.monotonic() + self.grace_s
+        while group_pids(self._proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _shm_named_by_rendezvous(self) -> set[Path]:
         if self._tmp_dir is None:
@@ -412,6 +425,25 @@ class ServerPool:
         self._wait_all(launched)
         return launched
 
+    def restart(self, server: VllmServer) -> VllmServer:
+        """A new server of ``server``'s spec on ``server``'s port, in its place (shared
+        or private), once what is left of it is stopped (e.g. a test killed it).
+
+        Raises:
+            VllmServerError: as ``VllmServer.start``.
+        """
+        server.stop()
+        again = VllmServer(server.spec, server.log_dir, startup_timeout_s=server.startup_timeout_s,
+                           port=server.port)
+        if self._shared.get(server.spec) is server:
+            self._shared[server.spec] = again
+        else:
+            self._private[self._private.index(server)] = again
+        self._used.pop(id(server), None)
+        self._used[id(again)] = again
+        again.start()
+        return again
+
     def _wait_all(self, launched: list[VllmServer]) -> None:
         """Wait for every launched server; if one fails, stop them all and raise its error."""
         try:
@@ -475,6 +507,10 @@ class ServersForTest:
     def shared_all(self, *specs: ServerSpec) -> list[VllmServer]:
         """``shared`` of each spec; those not running start together."""
         return self._pool.shared_all(*specs)
+
+    def restart(self, server: VllmServer) -> VllmServer:
+        """``server`` (shared or private, killed or not) started again on its port."""
+        return self._pool.restart(server)
 
     def private(self, spec: ServerSpec, *, startup_timeout_s: float = 240.0) -> VllmServer:
         [server] = self.private_all(spec, startup_timeout_s=startup_timeout_s)

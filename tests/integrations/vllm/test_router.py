@@ -22,15 +22,7 @@ The router runs as the real program, a child process on a free port.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,8 +52,8 @@ from tests.integrations.vllm.pd import (
     router_specs,
     wait_usage,
 )
+from tests.integrations.vllm.router import require_router, vllm_router
 from tests.integrations.vllm.servers import ServersForTest, VllmServer
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -81,52 +73,7 @@ def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path
 
 @pytest.fixture(scope="module", autouse=True)
 def router_installed() -> None:
-    """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) if vllm-router is not installed
-    (``make setup-vllm`` installs it)."""
-    if importlib.util.find_spec("vllm_router") is not None:
-        return
-    reason = f"vllm-router is not installed in {sys.executable} (make setup-vllm installs it)"
-    if os.environ.get("KVBRIDGE_REQUIRE_VLLM") == "1":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
-
-
-@contextlib.contextmanager
-def vllm_router(prefill: list[VllmServer], decode: list[VllmServer], log_path: Path,
-                ) -> Iterator[str]:
-    """vllm-router in NIXL P/D mode in front of ``prefill`` and ``decode`` (round robin
-    for both); yields its URL once its ``/health`` answers."""
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(free_port()),  # its default, 29000, may be taken
-            "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", "round_robin"]
-    for server in prefill:
-        argv += ["--prefill", server.base_url]
-    for server in decode:
-        argv += ["--decode", server.base_url]
-    url = f"http://127.0.0.1:{port}"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120  # it first waits for every backend's /health
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    require_router()
 
 
 def completion_body(model: str, prompt: list[int], *, stream: bool) -> dict[str, Any]:
