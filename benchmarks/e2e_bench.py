@@ -45,9 +45,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.cli.demo.procs import reserve_ports
-from kvbridge.engine.engine import LLMEngine
-from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
-from kvbridge.engine.request import SamplingParams
+from kvbridge.reference.engine.engine import LLMEngine
+from kvbridge.reference.engine.engine_config import ConnectorSettings, EngineConfig
+from kvbridge.reference.engine.request import SamplingParams
 from kvbridge.topology import KVLayout
 
 Progress = Callable[[str, int, int], None]

@@ -322,9 +322,9 @@ def step_engine_pd(opts: Options) -> StepResult:
     """The reference engine P/D with host-buffer staging; answers equal colocated."""
     from benchmarks.e2e_bench import run_colocated, run_pd
     from kvbridge.cli.demo.procs import reserve_ports
-    from kvbridge.engine.engine import LLMEngine
-    from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
-    from kvbridge.engine.request import SamplingParams
+    from kvbridge.reference.engine.engine import LLMEngine
+    from kvbridge.reference.engine.engine_config import ConnectorSettings, EngineConfig
+    from kvbridge.reference.engine.request import SamplingParams
     from kvbridge.topology import KVLayout
 
     _require_device(opts)

@@ -24,9 +24,9 @@ import statistics
 import time
 
 from kvbridge.cli.demo.procs import reserve_ports
-from kvbridge.engine.async_engine import AsyncEngine
-from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig
-from kvbridge.engine.request import SamplingParams
+from kvbridge.reference.engine.async_engine import AsyncEngine
+from kvbridge.reference.engine.engine_config import ConnectorSettings, EngineConfig
+from kvbridge.reference.engine.request import SamplingParams
 from kvbridge.topology import KVLayout
 
 _NUM_WARMUP = 3

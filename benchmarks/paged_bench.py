@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from kvbridge.paged.hashing import HASH_FN_NAMES, BlockHasher
-from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.request import Request
-from kvbridge.paged.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvbridge.reference.paged.hashing import HASH_FN_NAMES, BlockHasher
+from kvbridge.reference.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvbridge.reference.paged.manager import KVCacheManager
+from kvbridge.reference.paged.request import Request
+from kvbridge.reference.paged.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 BLOCK_SIZE = 16
 SEED = b"paged-bench"

@@ -67,10 +67,10 @@ def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
            local_copy: bool = True, device: str = "cpu") -> tuple[Any, list[Any]]:
     import torch
 
-    from kvbridge.paged.host_memory import kv_cache_zeros
     from kvbridge.topology import EngineTopology, KVLayout
     from kvbridge.transfer.agent import TransferAgent
     from kvbridge.transfer.agent_config import AgentConfig
+    from kvbridge.transfer.host_memory import kv_cache_zeros
     from kvbridge.transfer.protocol.security import CompatInfo
 
     topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)

@@ -22,7 +22,7 @@ proxy; ``nixl``, ``kvbridge-classic``)::
     TTFT = t2 - t0      P = t1 - t0      D = t2 - t1
 
 First-token flow (``kvbridge``: what ``kvbridge proxy`` does by default,
-``kvbridge/serving/first_token.py``): P's token is the client's first token,
+``kvbridge/proxy/first_token.py``): P's token is the client's first token,
 and D continues after it::
 
     t0 POST P (max_tokens 1, do_remote_decode, return_token_ids) ── t1 P answers: token 1
@@ -78,7 +78,7 @@ from benchmarks.vllm_servers import (
     total,
 )
 from kvbridge.cli.demo.procs import reserve_ports
-from kvbridge.serving import first_token
+from kvbridge.proxy import first_token
 
 Progress = Callable[[str, int, int], None]
 

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
-from kvbridge.serving import http_common as hc
+from kvbridge import http_common as hc
 
 MAX_NBYTES = 64
 

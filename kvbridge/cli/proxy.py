@@ -1,7 +1,7 @@
 """``kvbridge proxy``: the P/D router's flags and process.
 
 ``kvbridge/cli/main.py`` registers the subcommand with :func:`add_proxy_parser`.
-The process binds its port, serves ``kvbridge.serving.proxy``'s app and prints its
+The process binds its port, serves ``kvbridge.proxy.app``'s app and prints its
 ready line (``lifecycle.py``); SIGINT or SIGTERM stops it with exit code 0, bad
 flags exit with 2 and a message on stderr.
 """
@@ -64,7 +64,8 @@ def run_proxy(args: argparse.Namespace) -> int:
     Returns:
         0 after a clean stop, 1 if the server failed, 2 for bad flags.
     """
-    from kvbridge.serving.proxy import ProxyConfig, backend_urls, build_proxy_app
+    from kvbridge.proxy.app import build_proxy_app
+    from kvbridge.proxy.config import ProxyConfig, backend_urls
 
     setup_logging(args.log_level)
     with shutdown_signals():

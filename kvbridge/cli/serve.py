@@ -2,7 +2,7 @@
 
 ``kvbridge/cli/main.py`` registers the subcommand with :func:`add_serve_parser`.
 The process binds its port first (fail fast), starts the engine and its TP
-workers, then serves ``kvbridge/serving/server.py``'s app and prints its ready
+workers, then serves ``kvbridge/reference/server.py``'s app and prints its ready
 line (``lifecycle.py``). SIGINT or SIGTERM stops the HTTP server gracefully,
 then the engine and its worker processes; the exit code is then 0. Bad flags
 exit with 2 and a message on stderr.
@@ -31,7 +31,7 @@ from kvbridge.cli.lifecycle import (
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.engine_config import EngineConfig
+    from kvbridge.reference.engine.engine_config import EngineConfig
     from kvbridge.transfer.agent_config import AgentConfig
 
 __all__ = [
@@ -167,7 +167,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         ConfigError: also the secret file cannot be read, or a non-loopback
             transfer host has no secret and no ``--insecure``.
     """
-    from kvbridge.engine.engine_config import ConnectorSettings, EngineConfig, EngineRole
+    from kvbridge.reference.engine.engine_config import ConnectorSettings, EngineConfig, EngineRole
     from kvbridge.topology import KVLayout
     from kvbridge.transfer.protocol.cluster_secret import cluster_secret, is_loopback
     from kvbridge.transfer.protocol.security import load_cluster_secret
@@ -228,8 +228,8 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"kvbridge serve: error: {exc}", file=sys.stderr)
             return 2
         try:
-            from kvbridge.engine.async_engine import AsyncEngine
-            from kvbridge.serving.server import build_app
+            from kvbridge.reference.engine.async_engine import AsyncEngine
+            from kvbridge.reference.server import build_app
 
             try:
                 engine = AsyncEngine(config)

@@ -26,7 +26,7 @@ a grant (``binding.py``), the engine-facing protocol of a request
 
 Who calls it: vLLM through the adapter in ``kvbridge.integrations.vllm``
 (``scheduler_side.py``, ``worker_side.py``), and kvbridge's reference engine
-(``kvbridge.engine``: ``connector_host.py``, ``remote_kv.py``). Next: the call
+(``kvbridge.reference.engine``: ``connector_host.py``, ``remote_kv.py``). Next: the call
 order in ``scheduler.py``, then ``worker.py``; docs/design.md for the whole
 hand-off.
 """

@@ -4,7 +4,7 @@
 workers) into one ``ConnectorStats`` and adds what only it knows: grants handed
 out, blocks held for remote readers, loads in flight, local hits that made a
 transfer unnecessary. ``get_stats()`` returns a snapshot; the engine's HTTP
-server (``kvbridge/serving/metrics.py``) exposes ``snapshot.metric_families("kvbridge")``
+server (``kvbridge/reference/metrics.py``) exposes ``snapshot.metric_families("kvbridge")``
 on ``/metrics``. ``to_prometheus`` renders the same families as text (logs, tests).
 """
 

@@ -135,7 +135,7 @@ class TransferAgent:
             a grant was released), from the agent's thread or from the thread in
             ``start_read`` (a read made there); it must be quick, thread-safe and
             must not call back into the agent. For an engine
-            that sleeps between steps (``kvbridge.engine.wakeup``).
+            that sleeps between steps (``kvbridge.reference.engine.wakeup``).
 
     Raises:
         ConfigError: the ranks are out of range for ``topology``, or ``compat`` and

@@ -17,8 +17,8 @@ import numpy.typing as npt
 import torch
 
 from kvbridge.errors import ConfigError
-from kvbridge.paged.host_memory import shared_region
 from kvbridge.topology import EngineTopology, KVLayout
+from kvbridge.transfer.host_memory import shared_region
 from kvbridge.transfer.protocol import wire
 
 _data_ptr = torch.Tensor.data_ptr
@@ -130,7 +130,7 @@ class LocalKV:
 
     def shared_regions(self) -> bytes:
         """``wire.HostInfo.regions`` of the caches: every layer's memfd mapping, or
-        b\"\" unless every layer is in one (``paged/host_memory.py``)."""
+        b\"\" unless every layer is in one (``transfer/host_memory.py``)."""
         regions = [shared_region(layer) for layer in self.layers]
         if not regions or any(r is None for r in regions):
             return b""

@@ -63,7 +63,8 @@ def test_the_wheel_list_covers_what_the_checks_import() -> None:
     """Every distribution the checks load, less the GPU image's, is a carried wheel."""
     probe = (
         "import sys, json, importlib.metadata as md\n"
-        "import kvbridge.transfer.agent, kvbridge.engine.engine, kvbridge.engine.rank_worker\n"
+        "import kvbridge.transfer.agent, kvbridge.reference.engine.engine\n"
+        "import kvbridge.reference.engine.rank_worker\n"
         "import kvbridge.connector.worker, benchmarks.gpu_check, benchmarks.e2e_bench\n"
         "import benchmarks.transfer_agents, benchmarks.kernel_bench\n"
         "import benchmarks.peers.ucx_perftest\n"

@@ -3,7 +3,7 @@
 ``MiniEngine`` is what the reference engine does with the connector, minus the
 model: a real ``KVCacheManager`` (prefix caching on), a ``ConnectorScheduler``,
 the engine scheduler's own tracker of remote KV (``RemoteKVTracker``,
-``kvbridge/engine/remote_kv.py``: loads, rollbacks, blocks held for readers),
+``kvbridge/reference/engine/remote_kv.py``: loads, rollbacks, blocks held for readers),
 one ``ConnectorWorker`` per TP rank (each with its own transfer agent and cache
 tensors) and a ``KVOutputAggregator``. What is left here is the model's part and
 a trivial batch (every request every step). "Computing" a token writes its KV, a
@@ -32,12 +32,17 @@ from kvbridge.connector.aggregator import KVOutputAggregator
 from kvbridge.connector.params import parse_kv_transfer_params
 from kvbridge.connector.scheduler import ConnectorScheduler, LoadFailurePolicy, Role
 from kvbridge.connector.worker import ConnectorWorker
-from kvbridge.engine.remote_kv import RemoteKVTracker
-from kvbridge.engine.request import EngineRequest, FinishReason, RequestStatus, SamplingParams
-from kvbridge.paged.hashing import BlockHasher
-from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.spec import FullAttentionSpec
+from kvbridge.reference.engine.remote_kv import RemoteKVTracker
+from kvbridge.reference.engine.request import (
+    EngineRequest,
+    FinishReason,
+    RequestStatus,
+    SamplingParams,
+)
+from kvbridge.reference.paged.hashing import BlockHasher
+from kvbridge.reference.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvbridge.reference.paged.manager import KVCacheManager
+from kvbridge.reference.paged.spec import FullAttentionSpec
 from kvbridge.topology import EngineTopology, KVLayout
 from kvbridge.transfer.agent import AgentConfig
 from kvbridge.transfer.protocol.security import CompatInfo

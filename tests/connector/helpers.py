@@ -2,7 +2,7 @@
 ``KVCacheManager``, engine requests with remote params, and the engine's admission.
 
 ``admit`` goes through the engine's own tracker of remote KV
-(``kvbridge/engine/remote_kv.py``), so the tests see what the reference engine
+(``kvbridge/reference/engine/remote_kv.py``), so the tests see what the reference engine
 does with the connector, not a copy of it. Used by ``test_scheduler.py`` and
 ``test_binding.py``; :func:`wait_finished` also by
 ``tests/integration/test_fused_kv_worker.py``.
@@ -18,12 +18,12 @@ from typing import Any
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.worker import ConnectorWorker
-from kvbridge.engine.remote_kv import RemoteKVTracker
-from kvbridge.engine.request import EngineRequest, SamplingParams
-from kvbridge.paged.hashing import BlockHasher
-from kvbridge.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from kvbridge.paged.manager import KVCacheManager
-from kvbridge.paged.spec import FullAttentionSpec
+from kvbridge.reference.engine.remote_kv import RemoteKVTracker
+from kvbridge.reference.engine.request import EngineRequest, SamplingParams
+from kvbridge.reference.paged.hashing import BlockHasher
+from kvbridge.reference.paged.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvbridge.reference.paged.manager import KVCacheManager
+from kvbridge.reference.paged.spec import FullAttentionSpec
 from kvbridge.topology import EngineTopology, KVLayout
 from tests.connector.harness import DTYPE, HASH_SEED
 from tests.waiting import wait_until

@@ -16,9 +16,9 @@ from kvbridge.connector.metadata import ConnectorMetadata
 from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.scheduler import ConnectorScheduler, KVLoadError
-from kvbridge.engine.request import EngineRequest
 from kvbridge.errors import ConfigError
-from kvbridge.paged.manager import KVCacheManager
+from kvbridge.reference.engine.request import EngineRequest
+from kvbridge.reference.paged.manager import KVCacheManager
 from tests.connector.helpers import (
     NOW,
     TOKENS,

@@ -41,9 +41,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvbridge.engine.engine import LLMEngine
-from kvbridge.engine.engine_config import EngineConfig
-from kvbridge.engine.request import SamplingParams
+from kvbridge.reference.engine.engine import LLMEngine
+from kvbridge.reference.engine.engine_config import EngineConfig
+from kvbridge.reference.engine.request import SamplingParams
 from tests import slow_serving
 from tests.integration.netns import Host, ucx_env
 from tests.waiting import WaitTimeout, wait_until

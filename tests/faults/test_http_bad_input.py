@@ -3,7 +3,7 @@
 Every malformed or hostile body must get a 4xx with an OpenAI-style error
 message, and leave the servers as they were: a good request right after it is
 answered correctly, nothing stays running or allocated, and P holds no block
-for a decode that will never come. ``tests/engine/test_server.py`` checks the
+for a decode that will never come. ``tests/reference/engine/test_server.py`` checks the
 in-process app's validation; here the same bodies go through sockets, uvicorn
 and the proxy, plus the ones that only break there (bytes that are not UTF-8,
 ``NaN``, nesting deeper than the proxy's JSON parser, bodies over the size

@@ -235,7 +235,7 @@ def test_zero_config_engines_authenticate_and_bind_the_advertised_address(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the engine hands its TP workers: the host secret, the listener's address."""
     from kvbridge.connector.params import parse_kv_transfer_params
-    from kvbridge.engine.connector_host import build
+    from kvbridge.reference.engine.connector_host import build
     from tests.connector.helpers import Req
 
     monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)

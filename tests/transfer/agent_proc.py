@@ -105,7 +105,7 @@ def make_caches(spec: Spec) -> list[torch.Tensor]:
         else:
             caches.append(torch.randn(shape, generator=gen).to(torch.bfloat16))
     if spec.shared:
-        from kvbridge.paged.host_memory import kv_cache_zeros
+        from kvbridge.transfer.host_memory import kv_cache_zeros
 
         caches = [kv_cache_zeros(shape, torch.bfloat16, shared=True).copy_(layer)
                   for layer in caches]

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.paged.host_memory import kv_cache_zeros
 from kvbridge.transfer.agent import TransferAgent
 from kvbridge.transfer.agent_config import AgentConfig
+from kvbridge.transfer.host_memory import kv_cache_zeros
 from kvbridge.transfer.reading import copier, inline
 from kvbridge.transfer.reading.jobs import ReadStats
 from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches

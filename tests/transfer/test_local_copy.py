@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.paged.host_memory import kv_cache_zeros, shared_region
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
+from kvbridge.transfer.host_memory import kv_cache_zeros, shared_region
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import GrantBoard
 from kvbridge.transfer.protocol.host import ENV_SWITCH, ProbeCell, allowed

@@ -98,7 +98,7 @@ class DemoConfig:
             ConfigError: a TP size the model cannot split over, a bad block
                 size, layout or model, or a count below 1.
         """
-        from kvbridge.engine.engine_config import EngineConfig
+        from kvbridge.reference.engine.engine_config import EngineConfig
         from kvbridge.topology import KVLayout
 
         if self.num_prompts < 1 or self.max_tokens < 1:
@@ -116,9 +116,9 @@ def run_reference(model: str, prompts: Sequence[str], max_tokens: int) -> list[l
     Returns:
         One list of completion token ids per prompt.
     """
-    from kvbridge.engine.engine import LLMEngine
-    from kvbridge.engine.engine_config import EngineConfig
-    from kvbridge.engine.request import SamplingParams
+    from kvbridge.reference.engine.engine import LLMEngine
+    from kvbridge.reference.engine.engine_config import EngineConfig
+    from kvbridge.reference.engine.request import SamplingParams
 
     with LLMEngine(EngineConfig(model=model, tp_size=1, in_process=True)) as engine:
         outputs = engine.generate(list(prompts),

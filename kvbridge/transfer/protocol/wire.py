@@ -172,7 +172,7 @@ class HostInfo(msgspec.Struct, forbid_unknown_fields=True):
     board_slots: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     # The board's memfd in the server (a reader maps ``/proc/<pid>/fd/<board_fd>``); -1: none.
     board_fd: Annotated[int, msgspec.Meta(ge=-1, le=1 << 30)] = -1
-    # The memfds the caches at ``place`` are in (``paged/host_memory.py``): u64 quads
+    # The memfds the caches at ``place`` are in (``transfer/host_memory.py``): u64 quads
     # (address, nbytes, fd, inode), one per mapping. Empty: not offered.
     regions: Annotated[bytes, msgspec.Meta(max_length=32 * MAX_COPY_ORIGINS)] = b""
     # Where the caches were at the handshake, as a ``CopyGo`` says it for one read: the

@@ -1,1 +1,0 @@
-"""HTTP: the engine's OpenAI-style server, the P/D proxy, metrics."""
