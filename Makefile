@@ -39,7 +39,7 @@ test: lint pytest
 # Peers for the side-by-side transfer benchmark (optional: a peer that cannot be
 # installed is reported as "unavailable: <reason>"). --no-deps keeps torch as is.
 bench-peers: setup
-	-$(BIN)/python -m pip install -q --no-deps -r benchmarks/peers/requirements.txt
+	-$(BIN)/python -m pip install -q --no-deps -r kvbridge/bench/peers/requirements.txt
 	-[ "$$(id -u)" = 0 ] && apt-get install -y -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null
 
 bench: bench-peers

@@ -9,7 +9,7 @@ in its own process with its own deadline, reported pass/fail with its numbers::
                   every parametrisation of the interpreter runs, exact (torch.equal);
                   and UCX sending GPU tensors (tests/transfer)
     kernel-bench  pack/unpack GB/s beside a device-to-device copy_ of the same bytes
-                  and the three-pass torch relayout (benchmarks/kernel_bench.py)
+                  and the three-pass torch relayout (kvbridge/bench/kernel_bench.py)
     engine-pd     the reference engine, P and D each with its own worker process and
                   CUDA caches: P/D answers equal P's colocated ones, D with P's block
                   size and layout and with others, staged through pinned host mirrors
@@ -300,7 +300,7 @@ def step_kernel_bench(opts: Options) -> StepResult:
     """pack/unpack GB/s beside copy_ and the three-pass relayout, on ``opts.device``."""
     import torch
 
-    from benchmarks import kernel_bench
+    from kvbridge.bench import kernel_bench
 
     _require_device(opts)
     report = kernel_bench.run(opts.bench_quick, list(opts.bench_blocks), reps=5)
@@ -320,7 +320,7 @@ def step_kernel_bench(opts: Options) -> StepResult:
 
 def step_engine_pd(opts: Options) -> StepResult:
     """The reference engine P/D with host-buffer staging; answers equal colocated."""
-    from benchmarks.e2e_bench import run_colocated, run_pd
+    from kvbridge.bench.e2e_bench import run_colocated, run_pd
     from kvbridge.cli.demo.procs import reserve_ports
     from kvbridge.reference.engine.engine import LLMEngine
     from kvbridge.reference.engine.engine_config import ConnectorSettings, EngineConfig
@@ -380,7 +380,7 @@ def step_cuda_read(opts: Options) -> StepResult:
     """CUDA blocks between two agent processes over UCX, beside the host-staged path."""
     import torch
 
-    from benchmarks.transfer_agents import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, AgentPair
+    from kvbridge.bench.transfer_agents import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, AgentPair
 
     _require_device(opts)
     num_layers = 8
@@ -440,7 +440,7 @@ def step_ucx_yardstick(opts: Options) -> StepResult:
     Contiguous messages and scatter-gather lists of 32 KiB pieces (one block of one
     layer's K or V, as kvbridge's direct reads send them), two-sided and one-sided.
     """
-    from benchmarks.peers.ucx_perftest import PerftestError, run_perftest
+    from kvbridge.bench.peers.ucx_perftest import PerftestError, run_perftest
 
     memories = ["host", opts.device] if opts.device != "cpu" else ["host"]
     cases = [("tag_bw", 1 << 22, 1), ("tag_bw", 1 << 26, 1), ("tag_bw", 1 << 22, 128),
@@ -466,7 +466,7 @@ def step_ucx_yardstick(opts: Options) -> StepResult:
 
 def step_kernel_tune(opts: Options) -> StepResult:
     """kernel-bench's cases with other tile sizes and warps per program."""
-    from benchmarks import kernel_bench
+    from kvbridge.bench import kernel_bench
     from kvbridge.kernels import triton_kernels
 
     _require_device(opts)

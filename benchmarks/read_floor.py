@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.transfer_agents import BLOCK_SIZE, _agent, _num_wrong, _serve_main
+from kvbridge.bench.transfer_agents import BLOCK_SIZE, _agent, _num_wrong, _serve_main
 
 _POOL_BLOCKS = 64
 _HOST = "127.0.0.1"

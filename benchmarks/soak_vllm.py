@@ -55,8 +55,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serve_configs import FrontEnd, vllm_router
-from benchmarks.vllm_servers import VllmServer, group_pids, scrape, total
+from kvbridge.bench.serve_configs import FrontEnd, vllm_router
+from kvbridge.bench.vllm_servers import VllmServer, group_pids, scrape, total
 from kvbridge.cli.demo.procs import reserve_ports
 
 _HEALTH = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "5",

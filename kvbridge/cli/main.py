@@ -1,8 +1,8 @@
 """Command line entry point: ``kvbridge demo | serve | proxy | bench``.
 
-``demo`` is the README's first command. ``bench`` runs the benchmarks that live
-in the repository's ``benchmarks/`` folder (found next to the package in a
-source checkout; they are not part of an installed wheel).
+``demo`` is the README's first command. ``bench`` runs the benchmarks of
+``kvbridge/bench/`` (transfer, kernels, paged manager, end to end, vLLM P/D,
+serving under load), from a source checkout or an installed kvbridge.
 """
 
 from __future__ import annotations

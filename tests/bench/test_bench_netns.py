@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import transfer_bench
-from benchmarks.peers.placement import NETNS_PREFIX, NetnsUnavailableError, check_netns
-from benchmarks.transfer_agents import _NUM_WARMUP
-from benchmarks.transfer_bench import PIECE_NBYTES
+from kvbridge.bench import transfer_bench
+from kvbridge.bench.peers.placement import NETNS_PREFIX, NetnsUnavailableError, check_netns
+from kvbridge.bench.transfer_agents import _NUM_WARMUP
+from kvbridge.bench.transfer_bench import PIECE_NBYTES
 from kvbridge.cli.main import main as kvbridge_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_hosts_are_removed_when_the_run_is_interrupted(
 
 @needs_netns
 def test_sigterm_mid_run_removes_the_hosts_and_their_processes() -> None:
-    bench = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer_bench", "--netns",
+    bench = subprocess.Popen([sys.executable, "-m", "kvbridge.bench.transfer_bench", "--netns",
                               "--quick"], cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
@@ -126,7 +126,7 @@ def _agents_in(namespaces: list[str]) -> list[int]:
     """Pids of kvbridge's benchmark agents in ``namespaces`` (not the lab's own commands)."""
     pids = [int(pid) for ns in namespaces for pid in subprocess.run(
         ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()]
-    return [pid for pid in pids if b"benchmarks.transfer_agents" in _cmdline(pid)]
+    return [pid for pid in pids if b"kvbridge.bench.transfer_agents" in _cmdline(pid)]
 
 
 def _cmdline(pid: int) -> bytes:

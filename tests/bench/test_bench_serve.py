@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_tables, serve_bench, serve_configs
-from benchmarks.bench_cli import build_parser
-from benchmarks.plots import save_plot
-from benchmarks.serve_client import client_argv, parse_result
+from kvbridge.bench import serve_bench, serve_configs
+from kvbridge.bench import tables as bench_tables
+from kvbridge.bench.cli import build_parser
+from kvbridge.bench.plots import save_plot
+from kvbridge.bench.serve_client import client_argv, parse_result
 from kvbridge.cli.main import main as kvbridge_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_bench_serve.json"

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_tables, vllm_bench
-from benchmarks.bench_cli import build_parser
-from benchmarks.vllm_models import describe, model_shape
+from kvbridge.bench import tables as bench_tables
+from kvbridge.bench import vllm_bench
+from kvbridge.bench.cli import build_parser
+from kvbridge.bench.vllm_models import describe, model_shape
 
 GEMMA3 = {"hidden_size": 128, "num_hidden_layers": 5, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "sliding_window": 96,
@@ -76,7 +77,7 @@ def _vllm_or_skip() -> None:
 @pytest.mark.timeout(600)
 def test_a_sliding_window_model_moves_only_the_window_of_a_long_prompt(tmp_path: Path) -> None:
     _vllm_or_skip()
-    from benchmarks import vllm_bench
+    from kvbridge.bench import vllm_bench
 
     report = vllm_bench.run(quick=True, lengths=[40, 800], requests=1, connectors=["kvbridge"],
                             out=str(tmp_path), model_kind="swa")

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.peers import (
+from kvbridge.bench.peers import (
     KVShape,
     KVWorkload,
     PeerResult,
@@ -23,9 +23,9 @@ from benchmarks.peers import (
     run_named_peer,
     sizes_for_blocks,
 )
-from benchmarks.peers.harness import PeerRunError, run_pair, workload_spec
-from benchmarks.peers.results import summarize
-from benchmarks.peers.ucx_perftest import PerftestError, _parse_final_csv, run_perftest
+from kvbridge.bench.peers.harness import PeerRunError, run_pair, workload_spec
+from kvbridge.bench.peers.results import summarize
+from kvbridge.bench.peers.ucx_perftest import PerftestError, _parse_final_csv, run_perftest
 
 SMALL_SHAPE = KVShape(num_kv_heads=2, head_dim=16, block_size=4)  # 512 B blocks
 
@@ -156,7 +156,7 @@ def test_child_failure_surfaces_as_error_not_hang() -> None:
     spec = workload_spec(KVWorkload(num_pool_blocks=1), [512], 1, 0, timeout_s=30.0)
     spec["num_pool_blocks"] = 0  # the target child rejects it before any transfer
     with pytest.raises(PeerRunError, match="num_pool_blocks"):
-        run_pair("benchmarks.peers.nixl_peer", spec, timeout_s=30.0)
+        run_pair("kvbridge.bench.peers.nixl_peer", spec, timeout_s=30.0)
 
 
 def test_unknown_peer_is_rejected() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers.child_env import UCXX_ENV_DEFAULTS, child_env
+from kvbridge.bench.peers.child_env import UCXX_ENV_DEFAULTS, child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,14 +70,14 @@ _PROBE = """
 import json, os, sys
 for module in sys.argv[1].split(","):
     __import__(module)
-from benchmarks.peers.child_env import child_env
+from kvbridge.bench.peers.child_env import child_env
 ucx = lambda env: {k: v for k, v in env.items() if k.startswith("UCX_")}
 print(json.dumps({"parent": ucx(os.environ), "child": ucx(child_env())}))
 """
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("order", ["benchmarks.peers.harness,ucxx", "ucxx"])
+@pytest.mark.parametrize("order", ["kvbridge.bench.peers.harness,ucxx", "ucxx"])
 @pytest.mark.parametrize("user_thresh", [None, "8192", "65536"])
 def test_a_real_ucxx_import_does_not_reach_children(order: str, user_thresh: str | None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}

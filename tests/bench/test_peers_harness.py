@@ -6,14 +6,14 @@ import argparse
 
 import pytest
 
-from benchmarks.peers import KVShape, KVWorkload, PeerResult, Unavailable, sizes_for_blocks
-from benchmarks.peers.cli import standalone_main
-from benchmarks.peers.harness import PairPeer
-from benchmarks.peers.results import PeerOutcome
-from benchmarks.peers.workload import WorkloadError
+from kvbridge.bench.peers import KVShape, KVWorkload, PeerResult, Unavailable, sizes_for_blocks
+from kvbridge.bench.peers.cli import standalone_main
+from kvbridge.bench.peers.harness import PairPeer
+from kvbridge.bench.peers.results import PeerOutcome
+from kvbridge.bench.peers.workload import WorkloadError
 
 SHAPE = KVShape(num_kv_heads=2, head_dim=16, block_size=4)
-ABSENT = PairPeer("absent", "benchmarks.peers.absent_peer", "kvbridge_no_such_package",
+ABSENT = PairPeer("absent", "kvbridge.bench.peers.absent_peer", "kvbridge_no_such_package",
                   missing="not installed here", min_gbps=1.0)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.kernel_bench import _three_pass
+from kvbridge.bench.kernel_bench import _three_pass
 from kvbridge.kernels import pack, unpack, wire_format
 from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, random_caches

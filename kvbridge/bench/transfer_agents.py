@@ -1,10 +1,10 @@
 """kvbridge's side of the transfer benchmark: a serving and a reading agent process.
 
-Used by ``benchmarks/transfer_bench.py``. :class:`AgentPair` starts two
-processes (``python -m benchmarks.transfer_agents serve|read``), each with one
+Used by ``kvbridge/bench/transfer_bench.py``. :class:`AgentPair` starts two
+processes (``python -m kvbridge.bench.transfer_agents serve|read``), each with one
 ``TransferAgent`` over ``num_layers`` bf16 caches of ``[2, num_pool_blocks, 16,
 8, 128]`` (NHD), where its ``Placement`` says: both on loopback, or the server
-in one network namespace and the reader in another (``benchmarks/peers/
+in one network namespace and the reader in another (``kvbridge/bench/peers/
 placement.py``). The parent drives them through a socket pair each (a child
 gets its end as an inherited descriptor, which ``ip netns exec`` passes on), one
 request at a time::
@@ -32,14 +32,14 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.peers.placement import LOOPBACK, Placement, Side
-from benchmarks.peers.results import PeerResult, summarize
+from kvbridge.bench.peers.child_env import package_path
+from kvbridge.bench.peers.placement import LOOPBACK, Placement, Side
+from kvbridge.bench.peers.results import PeerResult, summarize
 
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 _HALF_WORDS = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2 // 8  # one layer's K (or V) of a block
@@ -47,7 +47,6 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _NUM_WARMUP = 2  # the first read also handshakes
 _WAIT_S = 1.0
 _SEED = 7
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class AgentPairError(RuntimeError):
@@ -258,9 +257,10 @@ class AgentPair:
         self.num_layers, self.num_pool_blocks, self.timeout_s = (
             num_layers, num_pool_blocks, timeout_s)
         self.name = name
+        path = package_path().get("PYTHONPATH")
         self._env = {**os.environ, **placement.env,
                      "PYTHONPATH": os.pathsep.join(
-                         p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+                         p for p in (path, os.environ.get("PYTHONPATH")) if p)}
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []  # reader last, so close() stops it first
         self._num_requests = 0
@@ -284,9 +284,9 @@ class AgentPair:
             fd = child.fileno()
             try:
                 self._procs.append(subprocess.Popen(
-                    side.command([sys.executable, "-m", "benchmarks.transfer_agents", role,
+                    side.command([sys.executable, "-m", "kvbridge.bench.transfer_agents", role,
                                   str(fd), json.dumps(args)]),
-                    cwd=_REPO_ROOT, env=self._env, pass_fds=(fd,)))
+                    env=self._env, pass_fds=(fd,)))
             except BaseException:
                 parent.close()
                 raise
@@ -407,7 +407,7 @@ def main(argv: list[str]) -> None:
         case ["read", fd, args]:
             _read_main(Connection(int(fd)), *json.loads(args))
         case _:
-            raise SystemExit(f"usage: python -m benchmarks.transfer_agents serve|read FD ARGS; "
+            raise SystemExit(f"usage: python -m kvbridge.bench.transfer_agents serve|read FD ARGS; "
                              f"got {argv}")
 
 

@@ -1,6 +1,6 @@
 """Where the two sides of a benchmark pair run: both on loopback, or on two netns hosts.
 
-Used by ``benchmarks/transfer_bench.py`` (``kvbridge bench transfer [--netns]``)
+Used by ``kvbridge/bench/transfer_bench.py`` (``kvbridge bench transfer [--netns]``)
 and by everything it starts: kvbridge's pair (``transfer_agents.py``), the
 NIXL and Mooncake children (``harness.py``) and ``ucx_perftest``. Every pair
 has a *serving* side (kvbridge's server, a peer's target, the perftest server)
@@ -19,6 +19,9 @@ memory and kvbridge's own copies, ``kvbridge/transfer/protocol/host.py``).
 The namespaces come from ``tests/integration/netns.py`` (``NetnsLab``; standard
 library only, loaded by path) under the prefix ``kvbb``: the test suite's
 ``cleanup_stale`` (prefix ``kvb``) never matches them, nor they a test's lab.
+That lab is the test suite's, so ``--netns`` runs from a source checkout only
+(an installed kvbridge says so and runs nothing); it stands two hosts up on one
+machine, where a deployment has real ones.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ __all__ = ["LOOPBACK", "NETNS_PREFIX", "NetnsUnavailableError", "Placement", "Si
            "check_netns", "netns_placement"]
 
 NETNS_PREFIX = "kvbb"
-_NETNS_PY = Path(__file__).resolve().parents[2] / "tests" / "integration" / "netns.py"
+_NETNS_PY = Path(__file__).resolve().parents[3] / "tests" / "integration" / "netns.py"
 _NETNS_MODULE = "kvbridge_bench_netns"  # its name in sys.modules (loaded by path)
 
 
@@ -102,6 +105,12 @@ def _netns() -> ModuleType:
     """``tests/integration/netns.py``, imported by path once."""
     module = sys.modules.get(_NETNS_MODULE)
     if module is None:
+        if not _NETNS_PY.is_file():
+            installed = _NETNS_PY.parents[2] / "kvbridge"
+            raise NetnsUnavailableError(
+                f"the namespace hosts come from a kvbridge source checkout's "
+                f"tests/integration/netns.py; this kvbridge ({installed}) is not in one: run "
+                f"it from a checkout (PYTHONPATH=<checkout>)")
         spec = importlib.util.spec_from_file_location(_NETNS_MODULE, _NETNS_PY)
         if spec is None or spec.loader is None:
             raise NetnsUnavailableError(f"cannot load the namespace harness {_NETNS_PY}")

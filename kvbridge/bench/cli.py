@@ -1,7 +1,7 @@
 """``kvbridge bench {transfer,kernels,paged,e2e,vllm,serve,all}``: run, show, save, plot benchmarks.
 
-``kvbridge/cli/bench.py`` hands the arguments after ``bench`` to :func:`main` (the
-benchmarks live in the source checkout, not in the wheel). Each subcommand runs
+``kvbridge/cli/bench.py`` hands the arguments after ``bench`` to :func:`main`
+(installed kvbridge and source checkout alike). Each subcommand runs
 one benchmark module's ``run()`` with a progress bar (tqdm on a terminal, plain
 lines otherwise), then prints a table and writes ``<out>/<name>.json`` (the
 result plus the machine it ran on) and ``<out>/<name>.png``. See
@@ -10,7 +10,7 @@ result plus the machine it ran on) and ``<out>/<name>.png``. See
 several minutes (``serve``: tens of minutes).
 
 ``transfer --netns`` runs every system between two network-namespace hosts
-over TCP (``benchmarks/peers/placement.py``) and writes ``transfer_netns.json``
+over TCP (``kvbridge/bench/peers/placement.py``) and writes ``transfer_netns.json``
 / ``.png``, so that it does not overwrite the loopback run's files. It needs
 root and ``ip``; without them it says so and exits with 2 before anything runs.
 """
@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks import bench_tables
-from benchmarks.peers.placement import NetnsUnavailableError, check_netns
-from benchmarks.plots import PlotUnavailable, save_plot
-from benchmarks.vllm_models import MODEL_KINDS
+from kvbridge.bench import tables as bench_tables
+from kvbridge.bench.peers.placement import NetnsUnavailableError, check_netns
+from kvbridge.bench.plots import PlotUnavailable, save_plot
+from kvbridge.bench.vllm_models import MODEL_KINDS
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
 DEFAULT_PEERS = "ucx_perftest,ucx_perftest_get,nixl,mooncake,kvbridge_copy"
@@ -103,34 +103,34 @@ def machine_info() -> dict[str, Any]:
 def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]:
     """Run benchmark ``name``'s module with the parsed options."""
     if name == "paged":
-        from benchmarks import paged_bench
+        from kvbridge.bench import paged_bench
 
         return paged_bench.run(args.quick, progress=progress)
     if name == "kernels":
-        from benchmarks import kernel_bench
+        from kvbridge.bench import kernel_bench
 
         return dict(kernel_bench.run(args.quick, args.blocks, args.reps, args.clock, progress))
     if name == "transfer":
-        from benchmarks import transfer_bench
+        from kvbridge.bench import transfer_bench
 
         peers = [p for p in args.peers.split(",") if p]
         return transfer_bench.run(args.quick, peers, args.pieces, args.peer_iters, progress,
                                   netns=getattr(args, "netns", False))
     if name == "vllm":
-        from benchmarks import vllm_bench
+        from kvbridge.bench import vllm_bench
 
         return vllm_bench.run(args.quick, args.lengths, args.requests,
                               [c for c in args.connectors.split(",") if c], args.model,
                               args.out, args.kvbridge_extra, args.cores, progress,
                               args.model_kind)
     if name == "serve":
-        from benchmarks import serve_bench
+        from kvbridge.bench import serve_bench
 
         return serve_bench.run(args.quick, [c for c in args.configs.split(",") if c],
                                args.workloads, args.rates, args.concurrency, args.num_prompts,
                                args.repeats, args.slo_ttft_ms, args.slo_tpot_ms, args.model,
                                args.out, args.cores, args.point_timeout_s, progress)
-    from benchmarks import e2e_bench
+    from kvbridge.bench import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
                          progress=progress)
@@ -206,7 +206,7 @@ def _int_list_or_none(text: str) -> list[int]:
 
 
 def _workload(text: str) -> str:
-    from benchmarks.serve_bench import parse_workload
+    from kvbridge.bench.serve_bench import parse_workload
 
     try:
         parse_workload(text)
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_options(serve: argparse.ArgumentParser) -> None:
-    from benchmarks.serve_configs import CONFIGS
+    from kvbridge.bench.serve_configs import CONFIGS
 
     default_configs = ",".join(CONFIGS)
     serve.add_argument("--configs", default=default_configs,

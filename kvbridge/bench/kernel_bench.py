@@ -13,7 +13,7 @@ Workload: KV-shaped caches (default 32 layers, 8 heads, head dim 128, bf16, bloc
   remote block larger than the local one) have no baseline.
 
 GB/s counts payload bytes once; each number is the best of ``--reps`` runs, since
-other processes share the machine. Run: ``python benchmarks/kernel_bench.py --quick``.
+other processes share the machine. Run: ``python -m kvbridge.bench.kernel_bench --quick``.
 """
 
 from __future__ import annotations

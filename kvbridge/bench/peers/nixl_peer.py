@@ -1,7 +1,7 @@
 """NIXL as a transfer peer: UCX backend, DRAM segments, READ of scattered blocks.
 
-Called by ``benchmarks/transfer_bench.py`` through :func:`run_peer`; also a
-script (``python -m benchmarks.peers.nixl_peer --blocks 1,16,1024``).
+Called by ``kvbridge/bench/transfer_bench.py`` through :func:`run_peer`; also a
+script (``python -m kvbridge.bench.peers.nixl_peer --blocks 1,16,1024``).
 
 The target registers its source pool with a NIXL agent and hands its agent
 metadata (``get_agent_metadata``) and pool address to the parent, which passes
@@ -27,19 +27,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.peers.harness import (
+from kvbridge.bench.peers.harness import (
     PairPeer,
     Payload,
     Request,
     time_requests,
     workload_from_spec,
 )
-from benchmarks.peers.placement import LOOPBACK, Placement
-from benchmarks.peers.results import PeerOutcome
-from benchmarks.peers.workload import IdArray, KVWorkload
+from kvbridge.bench.peers.placement import LOOPBACK, Placement
+from kvbridge.bench.peers.results import PeerOutcome
+from kvbridge.bench.peers.workload import IdArray, KVWorkload
 
 PEER = "nixl"
-_PEER = PairPeer(PEER, "benchmarks.peers.nixl_peer", "nixl_cu12",
+_PEER = PairPeer(PEER, "kvbridge.bench.peers.nixl_peer", "nixl_cu12",
                  missing="nixl-cu12 is not installed (pip install --no-deps nixl-cu12)",
                  min_gbps=0.05)
 

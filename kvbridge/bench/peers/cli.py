@@ -1,6 +1,6 @@
 """The stand-alone command line every peer module shares.
 
-``python -m benchmarks.peers.<peer> --blocks 1,16,1024 --iters 20`` runs one
+``python -m kvbridge.bench.peers.<peer> --blocks 1,16,1024 --iters 20`` runs one
 peer outside ``kvbridge bench`` and prints one result per size; each peer
 module's ``main`` calls :func:`standalone_main`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from benchmarks.peers.results import PeerOutcome, Unavailable
-from benchmarks.peers.workload import DEFAULT_BLOCK_COUNTS, sizes_for_blocks
+from kvbridge.bench.peers.results import PeerOutcome, Unavailable
+from kvbridge.bench.peers.workload import DEFAULT_BLOCK_COUNTS, sizes_for_blocks
 
 __all__ = ["standalone_main"]
 

@@ -3,7 +3,7 @@
 two network-namespace hosts (``placement.py``).
 
 Used by ``nixl_peer`` and ``mooncake_peer`` through :class:`PairPeer`. Each
-child runs ``python -m benchmarks.peers.<peer> target|initiator``; the parent relays the
+child runs ``python -m kvbridge.bench.peers.<peer> target|initiator``; the parent relays the
 connection metadata in-band through the children's pipes:
 
     parent ---spec---------------------> target      (fills pool, registers it)
@@ -35,17 +35,15 @@ import threading
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.peers.child_env import child_env
-from benchmarks.peers.cli import standalone_main
-from benchmarks.peers.placement import LOOPBACK, Placement, Side
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable, summarize
-from benchmarks.peers.workload import IdArray, KVShape, KVWorkload, U8Array
+from kvbridge.bench.peers.child_env import child_env, package_path
+from kvbridge.bench.peers.cli import standalone_main
+from kvbridge.bench.peers.placement import LOOPBACK, Placement, Side
+from kvbridge.bench.peers.results import PeerOutcome, PeerResult, Unavailable, summarize
+from kvbridge.bench.peers.workload import IdArray, KVShape, KVWorkload, U8Array
 
 MARK = "KVBPEER "
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 _CLOSE_TIMEOUT_S = 10.0
 _STDERR_TAIL_NBYTES = 2000
 
@@ -88,13 +86,13 @@ class _Child:
     """One child process on ``side``; stdout lines carrying :data:`MARK` go to a queue."""
 
     def __init__(self, module: str, role: str, side: Side, extra_env: Mapping[str, str]) -> None:
-        env = {**child_env({"PYTHONPATH": str(_REPO_ROOT)}), **extra_env}
+        env = {**child_env(package_path()), **extra_env}
         self.role = role
         # A file, not a pipe: nobody drains stderr while the child runs, and a
         # chatty library must not block on a full pipe. Closed in close().
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = subprocess.Popen(
-            side.command([sys.executable, "-m", module, role]), cwd=_REPO_ROOT, env=env,
+            side.command([sys.executable, "-m", module, role]), env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -157,7 +155,7 @@ def run_pair(module: str, spec: Payload, timeout_s: float,
     """Start target and initiator of ``module``; return the initiator's results.
 
     Args:
-        module: Importable peer module, e.g. ``benchmarks.peers.nixl_peer``.
+        module: Importable peer module, e.g. ``kvbridge.bench.peers.nixl_peer``.
         spec: From :func:`workload_spec`; sent to both children, each with its
             own address added as ``host``.
         timeout_s: Deadline for each step (start-up, the whole run).

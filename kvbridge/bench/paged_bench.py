@@ -11,7 +11,7 @@ Measures, in one process:
 
 Usage::
 
-    python benchmarks/paged_bench.py [--quick] [--json out.json]
+    python -m kvbridge.bench.paged_bench [--quick] [--json out.json]
 
 ``run(quick)`` returns the figures as a dict for the CLI.
 """

@@ -1,6 +1,6 @@
 """Terminal tables of the ``kvbridge bench`` reports, in Markdown so they paste into docs.
 
-Called by ``benchmarks/bench_cli.py`` with the dict a benchmark's ``run()``
+Called by ``kvbridge/bench/cli.py`` with the dict a benchmark's ``run()``
 returned; :func:`passed` says whether a report met its own checks (verified
 bytes, matching answers) — never a speed goal.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.vllm_models import describe
+from kvbridge.bench.vllm_models import describe
 
 _MIB = 1 << 20
 

@@ -1,11 +1,11 @@
 """Transfer benchmark: kvbridge's ``TransferAgent`` beside NIXL, Mooncake and ``ucx_perftest``.
 
-Called by ``kvbridge bench transfer`` (``benchmarks/bench_cli.py``); also a
-script (``python -m benchmarks.transfer_bench --quick --peers nixl``).
+Called by ``kvbridge bench transfer`` (``kvbridge/bench/cli.py``); also a
+script (``python -m kvbridge.bench.transfer_bench --quick --peers nixl``).
 
 Every system moves the same bytes at the same scatter granularity. The unit is
 a *piece*: one layer's K and V of one 16-token block (8 KV heads, head dim 128,
-bf16) = 64 KiB, the peers' "block" (``benchmarks/peers/workload.py``). A
+bf16) = 64 KiB, the peers' "block" (``kvbridge/bench/peers/workload.py``). A
 kvbridge block spans all the layers of its cache, so a request of ``n`` blocks
 over ``L`` layers is ``n * L`` pieces. Each size is mapped so that the piece
 counts agree::
@@ -37,7 +37,7 @@ requests of each size the reader checks every named block against the pattern
 and every other block for zeros.
 
 With ``netns=True`` (``--netns``) every system runs between two network
-namespace hosts instead (``benchmarks/peers/placement.py``): serving side in
+namespace hosts instead (``kvbridge/bench/peers/placement.py``): serving side in
 host ``a`` (10.77.0.1), reading side in ``b`` (10.77.0.2), over their veth
 links with ``UCX_TLS=tcp`` for every child, same-host copies off (so
 ``kvbridge_ucx`` is ``kvbridge`` again). The hosts are built before the first
@@ -55,9 +55,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.peers import PEER_NAMES, KVWorkload, run_named_peer
-from benchmarks.peers.placement import LOOPBACK, Placement, netns_placement
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
+from kvbridge.bench.peers import PEER_NAMES, KVWorkload, run_named_peer
+from kvbridge.bench.peers.placement import LOOPBACK, Placement, netns_placement
+from kvbridge.bench.peers.results import PeerOutcome, PeerResult, Unavailable
 
 PIECE_NBYTES = 64 << 10
 #: kvbridge's pool per layer is at least 2 MiB (32 blocks of 64 KiB): a real engine's
@@ -132,7 +132,7 @@ def run_kvbridge(points: Sequence[SizePoint], quick: bool,
     Raises:
         RuntimeError: a read failed or the data did not verify.
     """
-    from benchmarks.transfer_agents import AgentPair
+    from kvbridge.bench.transfer_agents import AgentPair
 
     results: list[PeerResult] = []
     for num_layers in sorted({p.num_layers for p in points}):
@@ -193,7 +193,7 @@ def run(quick: bool = False, peers: Sequence[str] = (), pieces: Sequence[int] | 
 
     Args:
         quick: Sizes up to 64 MiB and fewer requests per size.
-        peers: Names from ``benchmarks.peers.PEER_NAMES``.
+        peers: Names from ``kvbridge.bench.peers.PEER_NAMES``.
         pieces: Request sizes in 64 KiB pieces (default by mode).
         peer_iters: Timed requests per size for the peers (default 10 / 20).
         progress: Called after each finished step.
@@ -240,6 +240,7 @@ def _run_all(points: Sequence[SizePoint], quick: bool, peers: Sequence[str],
     failures: dict[str, dict[int, str]] = {}
     for name in peers:
         offset += len(points)
+        failed: dict[int, str]
         if name == KVBRIDGE_COPY and not placement.same_host:
             outcomes[name], failed = Unavailable(name, "needs both processes on one host"), {}
         elif name in OWN_PSEUDO_PEERS:  # ours too: a failure is one

@@ -1,6 +1,6 @@
 """CPU time per process and thread of a process group, from /proc (Linux).
 
-Called by ``benchmarks/vllm_bench.py`` for the idle-CPU figures
+Called by ``kvbridge/bench/vllm_bench.py`` for the idle-CPU figures
 (:func:`idle_cpu`: two :func:`cpu_snapshot` calls some seconds apart, then
 :func:`cpu_use`). Thread names are the kernel's (``comm``): a Python thread
 started without a native name carries its process's, so kvbridge's
@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.vllm_servers import group_pids, stat_fields
+from kvbridge.bench.vllm_servers import group_pids, stat_fields
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 

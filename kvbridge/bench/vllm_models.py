@@ -1,6 +1,6 @@
 """The models of ``kvbridge bench vllm --model-kind``: build, describe, and how P/D runs them.
 
-Called by ``benchmarks/vllm_bench.py``. Every kind is a random-weight model
+Called by ``kvbridge/bench/vllm_bench.py``. Every kind is a random-weight model
 built at run time in a child process (transformers stays out of the
 benchmark's process), one per family kvbridge moves:
 

@@ -1,7 +1,7 @@
 """Result records every peer returns, and the statistics they are built from.
 
 ``run_peer`` in each peer module returns either one :class:`PeerResult` per
-requested size or a single :class:`Unavailable`; ``benchmarks/transfer_bench.py``
+requested size or a single :class:`Unavailable`; ``kvbridge/bench/transfer_bench.py``
 turns both into table rows, JSON and plot lines.
 """
 

@@ -1,6 +1,6 @@
 """Transfer engines measured beside kvbridge on the same KV-shaped workload.
 
-``benchmarks/transfer_bench.py`` (``kvbridge bench transfer --peers ...``)
+``kvbridge/bench/transfer_bench.py`` (``kvbridge bench transfer --peers ...``)
 builds the request sizes with :func:`sizes_for_blocks`, runs kvbridge's agent,
 and calls :func:`run_named_peer` for each requested peer in the same run.
 
@@ -10,13 +10,13 @@ Map of this package:
     harness.py        two-process runner: target + initiator, metadata in-band
     placement.py      where the two sides run: loopback, or two netns hosts over TCP
     child_env.py      children's environment without what ``import ucxx`` added
-    cli.py            the stand-alone ``python -m benchmarks.peers.<peer>`` command
+    cli.py            the stand-alone ``python -m kvbridge.bench.peers.<peer>`` command
     ucx_perftest.py   tag_bw / ucp_get of the libucx wheel's binary (UCX ceiling)
     nixl_peer.py      NIXL, UCX backend, DRAM, READ of scattered blocks
     mooncake_peer.py  Mooncake Transfer Engine, tcp, P2PHANDSHAKE, batch READ
 
 Peer modules are imported on first use, so ``python -m
-benchmarks.peers.<peer>`` does not import itself twice. ``child_env`` is
+kvbridge.bench.peers.<peer>`` does not import itself twice. ``child_env`` is
 imported here, as early as possible: it notes the UCX_* variables before any
 later ``import ucxx`` changes them.
 """
@@ -26,10 +26,10 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
-from benchmarks.peers import child_env as _child_env  # noqa: F401  (snapshot, see above)
-from benchmarks.peers.placement import LOOPBACK, Placement
-from benchmarks.peers.results import PeerOutcome, PeerResult, Unavailable
-from benchmarks.peers.workload import (
+from kvbridge.bench.peers import child_env as _child_env  # noqa: F401  (snapshot, see above)
+from kvbridge.bench.peers.placement import LOOPBACK, Placement
+from kvbridge.bench.peers.results import PeerOutcome, PeerResult, Unavailable
+from kvbridge.bench.peers.workload import (
     DEFAULT_BLOCK_COUNTS,
     KVShape,
     KVWorkload,
@@ -39,10 +39,10 @@ from benchmarks.peers.workload import (
 
 PEER_NAMES: tuple[str, ...] = ("ucx_perftest", "ucx_perftest_get", "nixl", "mooncake")
 _PEER_MODULES = MappingProxyType({
-    "ucx_perftest": "benchmarks.peers.ucx_perftest",
-    "ucx_perftest_get": "benchmarks.peers.ucx_perftest",
-    "nixl": "benchmarks.peers.nixl_peer",
-    "mooncake": "benchmarks.peers.mooncake_peer",
+    "ucx_perftest": "kvbridge.bench.peers.ucx_perftest",
+    "ucx_perftest_get": "kvbridge.bench.peers.ucx_perftest",
+    "nixl": "kvbridge.bench.peers.nixl_peer",
+    "mooncake": "kvbridge.bench.peers.mooncake_peer",
 })
 
 

@@ -4,21 +4,28 @@
 own GPU use into ``os.environ`` (``UCX_RNDV_FRAG_MEM_TYPE=cuda``,
 ``UCX_RNDV_THRESH=8192``, ...). A peer process started afterwards (NIXL's or
 Mooncake's children, ``ucx_perftest``) would inherit them and be measured with
-ucxx's tuning instead of its own. ``benchmarks/peers/harness.py`` and
+ucxx's tuning instead of its own. ``kvbridge/bench/peers/harness.py`` and
 ``ucx_perftest.py`` build every child's environment with :func:`child_env`.
 
 The snapshot of what those variables were before ucxx is taken when this
 module is first imported (the harness imports it at its own import).
+
+Children run ``python -m kvbridge.bench...`` and must import the kvbridge this
+process runs, wherever it lies (a source checkout, site-packages, a ``pip
+install --target`` folder): :func:`package_path` puts its folder first on a
+child's ``PYTHONPATH`` where the interpreter would not find it by itself.
 """
 
 from __future__ import annotations
 
 import os
+import site
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 
-__all__ = ["UCXX_ENV_DEFAULTS", "child_env"]
+__all__ = ["UCXX_ENV_DEFAULTS", "child_env", "package_path"]
 
 #: What ``import ucxx`` puts in ``os.environ`` when the name is unset (ucxx 0.52).
 UCXX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType({
@@ -70,3 +77,18 @@ def child_env(prepend_paths: Mapping[str, str] = MappingProxyType({}),
     for name, directory in prepend_paths.items():
         env[name] = os.pathsep.join(p for p in (directory, env.get(name, "")) if p)
     return env
+
+
+def package_path() -> dict[str, str]:
+    """``{"PYTHONPATH": folder}`` for :func:`child_env`'s ``prepend_paths``: the folder
+    holding the ``kvbridge`` package of this process, unless it is a site folder
+    (on ``PYTHONPATH`` a site folder would come before the standard library).
+
+    Returns:
+        A new dict, empty where a child finds this kvbridge by itself.
+    """
+    folder = os.path.realpath(Path(__file__).parents[3])
+    site_dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    if folder in {os.path.realpath(d) for d in site_dirs}:
+        return {}
+    return {"PYTHONPATH": folder}

@@ -1,7 +1,7 @@
 """Mooncake Transfer Engine as a transfer peer: TCP, P2P handshake, batch READ.
 
-Called by ``benchmarks/transfer_bench.py`` through :func:`run_peer`; also a
-script (``python -m benchmarks.peers.mooncake_peer --blocks 1,16,1024``).
+Called by ``kvbridge/bench/transfer_bench.py`` through :func:`run_peer`; also a
+script (``python -m kvbridge.bench.peers.mooncake_peer --blocks 1,16,1024``).
 
 Both sides start a ``TransferEngine`` with protocol ``tcp`` and metadata
 ``P2PHANDSHAKE`` (no metadata server: the engines exchange segment metadata
@@ -24,19 +24,19 @@ import sys
 from collections.abc import Generator
 from typing import Any
 
-from benchmarks.peers.harness import (
+from kvbridge.bench.peers.harness import (
     PairPeer,
     Payload,
     Request,
     time_requests,
     workload_from_spec,
 )
-from benchmarks.peers.placement import LOOPBACK, Placement
-from benchmarks.peers.results import PeerOutcome
-from benchmarks.peers.workload import IdArray, KVWorkload
+from kvbridge.bench.peers.placement import LOOPBACK, Placement
+from kvbridge.bench.peers.results import PeerOutcome
+from kvbridge.bench.peers.workload import IdArray, KVWorkload
 
 PEER = "mooncake"
-_PEER = PairPeer(PEER, "benchmarks.peers.mooncake_peer", "mooncake",
+_PEER = PairPeer(PEER, "kvbridge.bench.peers.mooncake_peer", "mooncake",
                  missing="mooncake-transfer-engine-non-cuda is not installed "
                          "(pip install mooncake-transfer-engine-non-cuda)",
                  min_gbps=0.02)  # TCP on loopback runs well under 1 GB/s here

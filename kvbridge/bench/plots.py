@@ -1,6 +1,6 @@
 """PNG plots of the ``kvbridge bench`` reports (matplotlib, Agg backend: no display needed).
 
-Called by ``benchmarks/bench_cli.py`` with the dict a benchmark's ``run()``
+Called by ``kvbridge/bench/cli.py`` with the dict a benchmark's ``run()``
 returned. matplotlib comes with the ``bench`` extra and is imported on first
 use; without it :func:`save_plot` raises :class:`PlotUnavailable` and the caller
 keeps the JSON and table.

@@ -1,7 +1,7 @@
 """The configurations of ``kvbridge bench serve``: vLLM servers and the front end clients call.
 
-Called by ``benchmarks/serve_bench.py``. Each configuration is vLLM servers
-(``benchmarks/vllm_servers.py``, placed as ``kvbridge bench vllm`` places
+Called by ``kvbridge/bench/serve_bench.py``. Each configuration is vLLM servers
+(``kvbridge/bench/vllm_servers.py``, placed as ``kvbridge bench vllm`` places
 them) behind one front end, a child process on a free port:
 
 ==================  ==========================================================
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.vllm_bench import config_servers, core_placement
-from benchmarks.vllm_servers import ServerError, VllmServer, group_pids
+from kvbridge.bench.vllm_bench import config_servers, core_placement
+from kvbridge.bench.vllm_servers import ServerError, VllmServer, group_pids
 from kvbridge.cli.demo.procs import reserve_ports
 
 CONFIGS = ("colocated", "kvbridge-router", "kvbridge-proxy", "nixl-router")
