@@ -42,13 +42,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.soak_common import Job, Tally, print_summary
 from kvbridge.cli.demo.procs import reserve_ports
 
 _READY = re.compile(r"kvbridge (serve|proxy) ready on (http://\S+)$")
@@ -119,27 +119,6 @@ class Proc:
             self.kill()
 
 
-@dataclass(frozen=True)
-class Job:
-    body: dict[str, Any]
-    expected: tuple[int, ...]
-
-
-@dataclass
-class Tally:
-    """Outcome counts; ``wrong_examples`` keeps the first few for the report."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    wrong_examples: list[str] = field(default_factory=list)
-    max_latency_s: float = 0.0
-
-    def wrong(self, why: str) -> None:
-        self.counts["wrong"] += 1
-        if len(self.wrong_examples) < 5:
-            self.wrong_examples.append(why[:300])
-
-
 def make_pool(rng: random.Random, num_requests: int) -> list[dict[str, Any]]:
     """Greedy requests whose prompts share prefixes (prefix-cache hits on P and D)."""
     pool = []
@@ -158,15 +137,9 @@ async def _unary(client: httpx.AsyncClient, url: str, job: Job, tally: Tally) ->
         if got == job.expected:
             tally.counts["right"] += 1
         else:
-            tally.wrong(f"unary {job.body}: {got} != {job.expected}")
+            tally.add("wrong", f"unary {job.body}: {got} != {job.expected}")
         return
-    try:
-        message = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        tally.wrong(f"status {r.status_code} without an error message: {r.text[:200]}")
-        return
-    tally.counts["clean_error"] += 1
-    tally.errors[f"{r.status_code} {message[:60]}"] += 1
+    _count_error_status(r, tally)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, job: Job, tally: Tally,
@@ -176,7 +149,7 @@ async def _stream(client: httpx.AsyncClient, url: str, job: Job, tally: Tally,
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return await _count_error_status(r, tally)
+            return _count_error_status(r, tally)
         num_events, done = 0, False
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -195,19 +168,20 @@ async def _stream(client: httpx.AsyncClient, url: str, job: Job, tally: Tally,
                 tally.counts["aborted"] += 1
                 return None  # leaving the block closes the connection mid-stream
     if not done:
-        tally.wrong(f"stream of {job.body} ended without [DONE]")
+        tally.add("wrong", f"stream of {job.body} ended without [DONE]")
     elif tuple(tokens) != job.expected:
-        tally.wrong(f"stream {job.body}: {tokens} != {list(job.expected)}")
+        tally.add("wrong", f"stream {job.body}: {tokens} != {list(job.expected)}")
     else:
         tally.counts["right"] += 1
     return None
 
 
-async def _count_error_status(r: httpx.Response, tally: Tally) -> None:
+def _count_error_status(r: httpx.Response, tally: Tally) -> None:
+    """Count a non-200 answer (read already): a clean error if it names one, else wrong."""
     try:
         message = r.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        tally.wrong(f"status {r.status_code} without an error message: {r.text[:200]}")
+        tally.add("wrong", f"status {r.status_code} without an error message: {r.text[:200]}")
         return
     tally.counts["clean_error"] += 1
     tally.errors[f"{r.status_code} {message[:60]}"] += 1
@@ -235,7 +209,7 @@ async def _client(url: str, jobs: list[Job], end_at: float, rng: random.Random,
                     await _unary(client, url, job, tally)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 # the proxy never drops a connection, and answers only well-formed JSON
-                tally.wrong(f"{exc!r}")
+                tally.add("wrong", f"{exc!r}")
             tally.max_latency_s = max(tally.max_latency_s, time.monotonic() - started)
             if tally.counts["clean_error"] > errors_before:
                 await asyncio.sleep(0.2)  # a client backs off after an error
@@ -336,7 +310,7 @@ def _load(args: argparse.Namespace, p: Proc, engines: dict[str, Proc], x: Proc,
         "d_transfer_failures": d_figures.get("kvbridge_kv_transfer_failures_total"),
         "d_aborted": d_figures.get("kvbridge_requests_aborted_total"),
         "p_restarts": 1 if args.kill_at < 1 else 0,
-        "errors": dict(tally.errors.most_common(8)), "wrong_examples": tally.wrong_examples,
+        "errors": dict(tally.errors.most_common(8)), "wrong_examples": tally.examples,
         "logs": str(log_dir),
     }
 
@@ -382,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     summary = run(args)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print_summary(summary, args.json)
     ok = summary["wrong"] == 0 and summary["leaked_total"] == 0 and summary["right"] > 0
     return 0 if ok else 1
 

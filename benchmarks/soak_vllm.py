@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.soak_common import Job, Tally, print_summary
 from kvbridge.bench.serve_configs import FrontEnd, vllm_router
 from kvbridge.bench.vllm_servers import VllmServer, group_pids, scrape, total
 from kvbridge.cli.demo.procs import reserve_ports
@@ -64,25 +65,6 @@ _HEALTH = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "
 _VOCAB = range(2, 512)  # the tiny model's, without BOS and EOS
 _ZERO = {"kv_connector": "KVBridgeConnector",
          "kv_connector_module_path": "kvbridge.integrations.vllm", "kv_role": "kv_both"}
-
-
-@dataclass(frozen=True)
-class Job:
-    body: dict[str, Any]
-    expected: tuple[int, ...]
-
-
-@dataclass
-class Tally:
-    counts: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)
-    max_latency_s: float = 0.0
-
-    def add(self, kind: str, detail: str = "") -> None:
-        self.counts[kind] += 1
-        if kind in ("wrong", "late") and len(self.examples) < 5:
-            self.examples.append(detail[:300])
 
 
 @dataclass
@@ -335,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     summary = run(args)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print_summary(summary, args.json)
     ok = (summary["wrong"] == 0 and summary["late"] == 0 and not summary["leaked"]
           and summary["right"] > 0 and summary["d_board_maps"] <= 3)
     return 0 if ok else 1

@@ -126,10 +126,13 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
     if name == "serve":
         from kvbridge.bench import serve_bench
 
-        return serve_bench.run(args.quick, [c for c in args.configs.split(",") if c],
-                               args.workloads, args.rates, args.concurrency, args.num_prompts,
-                               args.repeats, args.slo_ttft_ms, args.slo_tpot_ms, args.model,
-                               args.out, args.cores, args.point_timeout_s, progress)
+        deployment = None if not args.url else serve_bench.Deployment(
+            tuple(args.url), args.tokenizer, tuple(args.server_url or ()))
+        configs = None if args.configs is None else [c for c in args.configs.split(",") if c]
+        return serve_bench.run(args.quick, configs, args.workloads, args.rates,
+                               args.concurrency, args.num_prompts, args.repeats,
+                               args.slo_ttft_ms, args.slo_tpot_ms, args.model, args.out,
+                               args.cores, args.point_timeout_s, progress, deployment)
     from kvbridge.bench import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
@@ -293,8 +296,20 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     from kvbridge.bench.serve_configs import CONFIGS
 
     default_configs = ",".join(CONFIGS)
-    serve.add_argument("--configs", default=default_configs,
-                       help=f"configurations, run one at a time (default {default_configs})")
+    serve.add_argument("--configs", default=None,
+                       help=f"configurations it starts, one at a time (default "
+                            f"{default_configs})")
+    serve.add_argument("--url", action="append", default=None, metavar="URL",
+                       help="instead of starting servers: an OpenAI-compatible front end "
+                            "that is already running (vllm-router, kvbridge proxy, a vLLM "
+                            "server), e.g. http://router:8000; repeat it to compare several; "
+                            "needs --model")
+    serve.add_argument("--tokenizer", default=None,
+                       help="with --url: the tokenizer that builds the prompts (folder or "
+                            "Hugging Face name; default: --model)")
+    serve.add_argument("--server-url", action="append", default=None, metavar="URL",
+                       help="with --url: a vLLM server behind it whose /metrics tell when "
+                            "a point has drained (repeat for each; optional)")
     serve.add_argument("--workloads", type=_workload, nargs="+", default=None,
                        help="short (256 in / 64 out), long (2048 / 128) or IN/OUT "
                             "(default: short long; --quick: short)")
@@ -314,8 +329,9 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--slo-tpot-ms", type=float, default=None,
                        help="goodput SLO on TPOT for every workload (default 100)")
     serve.add_argument("--model", default=None,
-                       help="model folder (default: kvbridge bench vllm's random Llama)")
-    serve.add_argument("--cores", choices=["split", "shared"], default="split",
+                       help="model folder (default: kvbridge bench vllm's random Llama); "
+                            "with --url: the model name the front end serves")
+    serve.add_argument("--cores", choices=["split", "shared"], default=None,
                        help="split (default): colocated replica 0 and P on core 0, replica 1 "
                             "and D on core 1; shared: every server on every core")
     serve.add_argument("--point-timeout-s", type=float, default=None,

@@ -216,8 +216,10 @@ def plot_serve(report: dict[str, Any], fig: Any) -> None:
     failed = [n for n, r in report["configs"].items() if "error" in r]
     notes = (f" (skipped: {', '.join(skipped)})" if skipped else "") + \
         (f" (failed: {', '.join(failed)})" if failed else "")
-    fig.suptitle(f"vllm bench serve, {report['settings']['model']}, CPU, cores "
-                 f"{report['settings']['cores']}{notes}", fontsize=10)
+    settings = report["settings"]
+    where = ("running front ends" if settings.get("deployment")
+             else f"CPU, cores {settings['cores']}")
+    fig.suptitle(f"vllm bench serve, {settings['model']}, {where}{notes}", fontsize=10)
 
 
 PLOTTERS: dict[str, tuple[Callable[[dict[str, Any], Any], None], tuple[float, float]]] = {

@@ -30,9 +30,10 @@ before the failure and the error.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import httpx
 from kvbridge.bench import serve_configs
 from kvbridge.bench.serve_client import ClientError, Point, parse_result, run_point
 from kvbridge.bench.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
-from kvbridge.bench.vllm_servers import ServerError, VllmServer, scrape, start_all, total
+from kvbridge.bench.vllm_servers import ServerError, scrape, start_all, total
 
 Progress = Callable[[str, int, int], None]
 
@@ -107,15 +108,15 @@ def plan_points(workloads: dict[str, Workload], repeats: int) -> list[tuple[str,
     return points
 
 
-def wait_idle(servers: list[VllmServer], timeout_s: float = 120.0) -> None:
-    """Block until no server has a request running or waiting.
+def wait_idle(server_urls: Sequence[str], timeout_s: float = 120.0) -> None:
+    """Block until no vLLM server (its ``/metrics``) has a request running or waiting.
 
     Raises:
         ServerError: still busy after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        busy = {s.name: sum(total(scrape(s.url), name) for name in _BUSY) for s in servers}
+        busy = {url: sum(total(scrape(url), name) for name in _BUSY) for url in server_urls}
         if not any(busy.values()):
             return
         if time.monotonic() > deadline:
@@ -124,15 +125,79 @@ def wait_idle(servers: list[VllmServer], timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def _warm_up(name: str, first: Point, url: str, model: Path, out: Path,
-             plan: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Target:
+    """What one configuration's points are sent to.
+
+    Args:
+        name: The configuration's name in the report; file names start with ``stem``.
+        url: The OpenAI-compatible front end (``/v1/completions``).
+        model: The model name requests carry; ``tokenizer`` builds the prompts.
+        server_urls: vLLM servers whose ``/metrics`` tell when a point has drained
+            (none: the next point starts when ``vllm bench serve`` returns).
+    """
+
+    name: str
+    url: str
+    model: str | Path
+    tokenizer: str | Path | None = None
+    server_urls: tuple[str, ...] = ()
+
+    @property
+    def stem(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name).strip("_")
+
+
+def _warm_up(target: Target, first: Point, out: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """A few requests of the first workload before the sweep, not reported with it: the
     first requests of a server (and P/D's first read, which connects) take longer.
     Its own seed: the sweep's prompts stay new to the servers."""
     point = replace(first, num_prompts=4, rate=None, concurrency=2, seed=1)
-    raw = run_point(point, url, model, out / "serve-results" / f"{name}-warmup.json",
-                    out / "serve-logs" / f"client-{name}-warmup.log", plan["point_timeout_s"])
+    raw = run_point(point, target.url, target.model,
+                    out / "serve-results" / f"{target.stem}-warmup.json",
+                    out / "serve-logs" / f"client-{target.stem}-warmup.log",
+                    plan["point_timeout_s"], target.tokenizer)
     return {k: raw[k] for k in ("completed", "failed", "duration")}
+
+
+def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
+           plan: dict[str, Any], tick: Callable[[str], None], result: dict[str, Any]) -> int:
+    """Warm ``target`` up, then run every point against it, appending rows to
+    ``result["points"]``; the number of points done (also when one raises)."""
+    result["warmup"] = _warm_up(target, points[0][2], out, plan)
+    wait_idle(target.server_urls)
+    for workload, kind, point in points:
+        label = (f"{target.stem}-{workload}-{kind}-{point.rate or point.concurrency:g}"
+                 f"-s{point.seed}")
+        row: dict[str, Any] = {"workload": workload, "sweep": kind, "rate": point.rate,
+                               "concurrency": point.concurrency, "seed": point.seed,
+                               "input_len": point.input_len, "output_len": point.output_len,
+                               "loadavg": os.getloadavg()[0]}
+        result_path = out / "serve-results" / f"{label}.json"
+        raw = run_point(point, target.url, target.model, result_path,
+                        out / "serve-logs" / f"client-{label}.log", plan["point_timeout_s"],
+                        target.tokenizer)
+        row.update(parse_result(raw, point.output_len), result_file=str(result_path))
+        result["points"].append(row)
+        tick(label)
+        wait_idle(target.server_urls)
+    return len(points)
+
+
+def run_deployment(target: Target, points: list[tuple[str, str, Point]], out: Path,
+                   plan: dict[str, Any], tick: Callable[[str], None]) -> dict[str, Any]:
+    """Run every point against a front end that is already running (nothing is started
+    or stopped); its report, as :func:`run_config`'s."""
+    result: dict[str, Any] = {"url": target.url, "points": [],
+                              "loadavg_start": os.getloadavg()}
+    try:
+        _sweep(target, points, out, plan, tick, result)
+    except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    for _ in points[len(result["points"]):]:
+        tick(f"{target.name} stopped")
+    result["loadavg_end"] = os.getloadavg()
+    return result
 
 
 def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out: Path,
@@ -149,29 +214,13 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
     front: serve_configs.FrontEnd | None = None
     result: dict[str, Any] = {"points": [], "loadavg_start": os.getloadavg(),
                               "logs": [str(s.log_path) for s in servers]}
-    done = 0
     try:
         start_all(servers)
         front = serve_configs.front_end(name, servers, log_dir)
         result["logs"].append(str(front.log_path))
         front.start()
-        result["warmup"] = _warm_up(name, points[0][2], front.url, model, out, plan)
-        wait_idle(servers)
-        for workload, kind, point in points:
-            label = f"{name}-{workload}-{kind}-{point.rate or point.concurrency:g}-s{point.seed}"
-            row: dict[str, Any] = {"workload": workload, "sweep": kind, "rate": point.rate,
-                                   "concurrency": point.concurrency, "seed": point.seed,
-                                   "input_len": point.input_len,
-                                   "output_len": point.output_len,
-                                   "loadavg": os.getloadavg()[0]}
-            result_path = out / "serve-results" / f"{label}.json"
-            raw = run_point(point, front.url, model, result_path,
-                            log_dir / f"client-{label}.log", plan["point_timeout_s"])
-            row.update(parse_result(raw, point.output_len), result_file=str(result_path))
-            result["points"].append(row)
-            done += 1
-            tick(label)
-            wait_idle(servers)
+        _sweep(Target(name, front.url, model, server_urls=tuple(s.url for s in servers)),
+               points, out, plan, tick, result)
     except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -179,19 +228,66 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
             front.stop()
         for server in servers:
             server.stop()
-        for _ in points[done:]:
+        for _ in points[len(result["points"]):]:
             tick(f"{name} stopped")
     result["loadavg_end"] = os.getloadavg()
     return result
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Front ends that are already running (``kvbridge bench serve --url``): measured as
+    they are; nothing is started, placed or stopped.
+
+    Args:
+        urls: OpenAI-compatible front ends (a vllm-router, ``kvbridge proxy``, one
+            vLLM server), each a configuration of the report, run one after another.
+        tokenizer: What builds the prompts; default: the model name.
+        server_urls: vLLM servers behind them whose ``/metrics`` tell when a point
+            has drained (optional).
+    """
+
+    urls: tuple[str, ...]
+    tokenizer: str | None = None
+    server_urls: tuple[str, ...] = ()
+
+
+def _check_choices(configs: list[str] | None, model: str | None, cores: str | None,
+                   deployment: Deployment | None) -> list[str]:
+    """The configurations to run (names, or URLs of a deployment).
+
+    Raises:
+        ValueError: as :func:`run`.
+    """
+    if deployment is not None:
+        if configs or cores:
+            raise ValueError("--url measures running front ends: --configs and --cores "
+                             "(which start servers) do not apply")
+        if not model:
+            raise ValueError("--url needs --model: the model name the front end serves")
+        if not deployment.urls or any(not u.startswith(("http://", "https://"))
+                                      for u in deployment.urls):
+            raise ValueError(f"--url {list(deployment.urls)}: expected http(s)://HOST:PORT")
+        return list(deployment.urls)
+    configs = configs or list(serve_configs.CONFIGS)
+    for name in configs:
+        serve_configs.missing_tool(name)  # raises ValueError on an unknown name
+    if cores not in (None, "split", "shared"):
+        raise ValueError(f"cores {cores!r}: expected 'split' or 'shared'")
+    if cores in (None, "split") and len(os.sched_getaffinity(0)) < 2:
+        raise ValueError("cores 'split' needs 2 cores")
+    return configs
 
 
 def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | None = None,
         rates: list[float] | None = None, concurrency: list[int] | None = None,
         num_prompts: int | None = None, repeats: int = 1, slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None, model: str | None = None, out: str = "bench-out",
-        cores: str = "split", point_timeout_s: float | None = None,
-        progress: Progress | None = None) -> dict[str, Any]:
-    """Run every configuration in ``configs`` over the sweep; the report.
+        cores: str | None = None, point_timeout_s: float | None = None,
+        progress: Progress | None = None,
+        deployment: Deployment | None = None) -> dict[str, Any]:
+    """Run every configuration in ``configs`` (or every front end of ``deployment``)
+    over the sweep; the report.
 
     Args:
         quick: The short workload at one rate and one concurrency, 8 prompts each.
@@ -204,24 +300,23 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
         repeats: Times the whole sweep runs (each with new prompts).
         slo_ttft_ms, slo_tpot_ms: Goodput SLOs for every workload.
         model: Model folder; default: ``kvbridge bench vllm``'s dense random Llama.
+            With ``deployment``: the model name its front ends serve (required).
         out: Raw ``vllm bench serve`` JSON goes to ``<out>/serve-results``, logs to
             ``<out>/serve-logs``.
-        cores: "split" (a server per core, as ``kvbridge bench vllm``) or "shared".
+        cores: "split" (default: a server per core, as ``kvbridge bench vllm``) or
+            "shared".
         point_timeout_s: Longest one point may run.
+        deployment: Measure these running front ends instead of starting ``configs``.
 
     Raises:
         ValueError: an unknown configuration or workload, no point to run, repeats
-            < 1, "split" on < 2 cores.
+            < 1, "split" on < 2 cores; with ``deployment``: ``configs`` or ``cores``
+            given, no ``model``, a URL that is not http(s).
     """
-    configs = configs or list(serve_configs.CONFIGS)
-    for name in configs:
-        serve_configs.missing_tool(name)  # raises ValueError on an unknown name
-    if cores not in ("split", "shared"):
-        raise ValueError(f"cores {cores!r}: expected 'split' or 'shared'")
+    configs = _check_choices(configs, model, cores, deployment)
+    cores = cores or "split"
     if repeats < 1:
         raise ValueError(f"repeats {repeats}: expected at least 1")
-    if cores == "split" and len(os.sched_getaffinity(0)) < 2:
-        raise ValueError("cores 'split' needs 2 cores")
     base = QUICK if quick else FULL
     chosen = dict(parse_workload(w) for w in (workloads or base["workloads"]))
     overrides: dict[str, Any] = {
@@ -235,8 +330,7 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
     points = plan_points(chosen, repeats)
     if not points:
         raise ValueError("nothing to run: every workload has no rate and no concurrency point")
-    plan = {"cores": cores, "block_size": BLOCK_SIZES["dense"],
-            "point_timeout_s": point_timeout_s or base["point_timeout_s"]}
+    plan: dict[str, Any] = {"point_timeout_s": point_timeout_s or base["point_timeout_s"]}
     progress = progress or (lambda _label, _done, _total: None)
     ticks: list[str] = []
 
@@ -244,12 +338,23 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
         ticks.append(label)
         progress(label, len(ticks), len(points) * len(configs))
 
+    common = {"repeats": repeats, "workloads": {name: asdict(w) for name, w in chosen.items()}}
+    if deployment is not None:
+        assert model is not None  # _check_choices
+        results = {url: run_deployment(Target(url, url, model, deployment.tokenizer,
+                                              deployment.server_urls),
+                                       points, Path(out), plan, tick)
+                   for url in configs}
+        settings = {**plan, **common, "configs": configs, "model": model,
+                    "tokenizer": deployment.tokenizer or model,
+                    "server_urls": list(deployment.server_urls), "deployment": True}
+        return {"settings": settings, "configs": results}
+    plan.update(cores=cores, block_size=BLOCK_SIZES["dense"])
     with tempfile.TemporaryDirectory(prefix="kvb-bench-serve-") as tmp:
         model_dir = Path(model) if model else build_model(Path(tmp) / "model", "dense")
         results = {name: run_config(name, points, model_dir, Path(out), plan, tick)
                    for name in configs}
-    settings = {**plan, "configs": configs, "repeats": repeats,
-                "workloads": {name: asdict(w) for name, w in chosen.items()},
+    settings = {**plan, **common, "configs": configs,
                 "model": model or f"{MODEL_LABELS['dense']} (built)",
                 "model_shape": BENCH_MODEL if not model else None}
     return {"settings": settings, "configs": results}

@@ -52,10 +52,17 @@ class Point:
     seed: int
 
 
-def client_argv(point: Point, base_url: str, model: Path, result_path: Path) -> list[str]:
-    """``vllm bench serve`` arguments of ``point`` against ``base_url`` (an OpenAI server)."""
+def client_argv(point: Point, base_url: str, model: str | Path, result_path: Path,
+                tokenizer: str | Path | None = None) -> list[str]:
+    """``vllm bench serve`` arguments of ``point`` against ``base_url`` (an OpenAI server).
+
+    Args:
+        model: The model name requests carry (a folder the servers were started with).
+        tokenizer: What builds the prompts (a folder or a Hugging Face name);
+            default ``model``.
+    """
     argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--model", str(model), "--tokenizer", str(model),
+            "--model", str(model), "--tokenizer", str(tokenizer or model),
             "--dataset-name", "random", "--random-input-len", str(point.input_len),
             "--random-output-len", str(point.output_len), "--random-range-ratio", "0",
             "--num-prompts", str(point.num_prompts), "--seed", str(point.seed),
@@ -76,18 +83,22 @@ class ClientError(RuntimeError):
     with its output."""
 
 
-def run_point(point: Point, base_url: str, model: Path, result_path: Path, log_path: Path,
-              timeout_s: float) -> dict[str, Any]:
+def run_point(point: Point, base_url: str, model: str | Path, result_path: Path,
+              log_path: Path, timeout_s: float,
+              tokenizer: str | Path | None = None) -> dict[str, Any]:
     """Run ``vllm bench serve`` for ``point`` in a child process; its saved JSON.
+
+    ``model`` and ``tokenizer`` as :func:`client_argv`.
 
     Raises:
         ClientError: it exited non-zero, saved nothing, or ran past ``timeout_s``
             (then it is killed).
     """
     argv = [sys.executable, "-m", "kvbridge.bench.serve_client",
-            *client_argv(point, base_url, model, result_path)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            *client_argv(point, base_url, model, result_path, tokenizer)]
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if Path(tokenizer or model).is_dir():  # a Hugging Face name may need the hub
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result_path.unlink(missing_ok=True)
     result_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -212,8 +212,9 @@ def serve_table(report: dict[str, Any]) -> str:
                 rate = serve_goodput_rate(points)
                 lines.append(f"  - {config}: highest rate with >= 90% within SLO: "
                              f"{'none' if rate is None else f'{rate:g} req/s'}")
-    lines.append(f"\nmodel {settings['model']}; cores {settings['cores']}; "
-                 f"{settings['repeats']} repeat(s)")
+    where = ("running front ends (--url)" if settings.get("deployment")
+             else f"cores {settings['cores']}")
+    lines.append(f"\nmodel {settings['model']}; {where}; {settings['repeats']} repeat(s)")
     for name, result in configs.items():
         for p in result.get("points", []):
             if p.get("first_error"):
@@ -241,12 +242,14 @@ def passed(name: str, report: dict[str, Any]) -> bool:
             for r in rows if r["peer"] in ("nixl", "mooncake"))
     if name == "e2e":
         return bool(report["all_match"])
-    if name == "serve":  # kvbridge's configurations ran every point, every answer whole
+    if name == "serve":  # kvbridge's configurations (or the deployment's front ends) ran
+        # every point, every answer whole
+        ours = report["settings"].get("deployment")
         return all("error" not in result and not any(
             p["failed"] or p.get("num_short") or p["missing_output_tokens"] > 0
             for p in result["points"])
                    for config, result in report["configs"].items()
-                   if config.startswith("kvbridge") and "skipped" not in result)
+                   if (ours or config.startswith("kvbridge")) and "skipped" not in result)
     if name == "vllm":  # kvbridge's D loaded KV for every length, without a failed read
         ours = report["configs"].get("kvbridge")
         return ours is None or ("error" not in ours and all(

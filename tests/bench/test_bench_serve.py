@@ -5,8 +5,9 @@ plot, skipped configurations, and one real run of one configuration.
 wrote in a real ``kvbridge bench serve --quick`` run (the colocated
 configuration at 2 req/s). The real run here (two vLLM servers, ``kvbridge proxy``,
 4 short requests) checks that vLLM's load generator accepts the arguments,
-reaches the servers through the front end, and that its JSON becomes a row.
-No time or speed is asserted.
+reaches the servers through the front end, and that its JSON becomes a row;
+a second one points ``--url`` at a vLLM server the test started, as a user
+points it at a deployment. No time or speed is asserted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvbridge.bench import serve_bench, serve_configs
@@ -24,6 +26,9 @@ from kvbridge.bench import tables as bench_tables
 from kvbridge.bench.cli import build_parser
 from kvbridge.bench.plots import save_plot
 from kvbridge.bench.serve_client import client_argv, parse_result
+from kvbridge.bench.vllm_models import build_model
+from kvbridge.bench.vllm_servers import VllmServer, start_all
+from kvbridge.cli.demo.procs import reserve_ports
 from kvbridge.cli.main import main as kvbridge_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_bench_serve.json"
@@ -200,3 +205,50 @@ def test_one_configuration_runs_vllm_bench_serve_end_to_end(tmp_path: Path) -> N
     raw = json.loads(Path(point["result_file"]).read_text())
     assert (raw["num_prompts"], raw["request_rate"]) == (4, 4.0)
     assert point["p99_ttft_ms"] > 0 and point["p50_tpot_ms"] > 0
+
+
+def test_url_refuses_what_would_start_servers_and_needs_a_model() -> None:
+    args = build_parser().parse_args(["serve", "--url", "http://a:1", "--url", "http://b:2",
+                                      "--model", "m", "--tokenizer", "t",
+                                      "--server-url", "http://a:9"])
+    assert (args.url, args.model, args.tokenizer, args.server_url) == (
+        ["http://a:1", "http://b:2"], "m", "t", ["http://a:9"])
+    deployment = serve_bench.Deployment(("http://a:1",))
+    with pytest.raises(ValueError, match="--configs and --cores .* do not apply"):
+        serve_bench.run(quick=True, configs=["colocated"], model="m", deployment=deployment)
+    with pytest.raises(ValueError, match="--configs and --cores .* do not apply"):
+        serve_bench.run(quick=True, cores="split", model="m", deployment=deployment)
+    with pytest.raises(ValueError, match="--url needs --model"):
+        serve_bench.run(quick=True, deployment=deployment)
+    with pytest.raises(ValueError, match="expected http"):
+        serve_bench.run(quick=True, model="m", deployment=serve_bench.Deployment(("a:1",)))
+
+
+@pytest.mark.integration  # one vLLM server, vllm bench serve
+@pytest.mark.timeout(600)
+def test_url_measures_a_running_server_and_leaves_it_running(tmp_path: Path) -> None:
+    _vllm_or_skip()
+    model = build_model(tmp_path / "model", "dense")
+    [port] = reserve_ports([1])
+    server = VllmServer("deployment", model, port, tmp_path / "server.log")
+    start_all([server])
+    try:
+        code = kvbridge_main(["bench", "serve", "--quick", "--url", server.url,
+                              "--server-url", server.url, "--model", str(model),
+                              "--workloads", "64/8", "--rates", "", "--concurrency", "2",
+                              "--num-prompts", "4", "--no-plot", "--out", str(tmp_path)])
+        record = json.loads((tmp_path / "serve.json").read_text())
+        settings = record["result"]["settings"]
+        assert settings["deployment"] and settings["model"] == str(model)
+        result = record["result"]["configs"][server.url]
+        assert "error" not in result, result["error"]
+        [point] = result["points"]
+        assert (point["completed"], point["failed"], point["num_short"]) == (4, 0, 0)
+        assert code == 0 and result["warmup"]["completed"] == 4
+        raw = json.loads(Path(point["result_file"]).read_text())
+        assert (raw["num_prompts"], raw["max_concurrency"]) == (4, 2)
+        # nothing of the deployment was started or stopped by the benchmark
+        assert "logs" not in result
+        assert httpx.get(f"{server.url}/v1/models", timeout=10.0).status_code == 200
+    finally:
+        server.stop()
