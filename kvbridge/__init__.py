@@ -5,8 +5,9 @@ What a vLLM user runs, lower never importing higher: ``topology`` ->
 beside them ``proxy`` (the P/D proxy; imports none of them). ``reference`` is
 the host kvbridge brings for running without vLLM (its paged KV manager, its
 engine and HTTP server); nothing on the connector side imports it. ``errors``
-and ``http_common`` are shared leaves. The map: docs/design.md; the rule is
-checked by tests/test_layering.py.
+and ``http_common`` are shared leaves; ``cli`` (the ``kvbridge`` command) and
+``bench`` (what ``kvbridge bench`` runs) sit on top. The map: docs/design.md;
+the rule is checked by tests/test_layering.py.
 """
 
 __version__ = "0.1.0"

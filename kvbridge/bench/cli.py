@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
              "e2e": "TTFT and decode tokens/s, P/D against colocated",
              "vllm": "TTFT and KV load time of P/D in vLLM: kvbridge, NixlConnector, colocated",
              "serve": "goodput and latency under load (vllm bench serve): P/D behind "
-                      "vllm-router and kvbridge proxy vs colocated",
+                      "vllm-router and kvbridge proxy vs colocated, or front ends "
+                      "already running (--url)",
              "all": "every benchmark above but vllm and serve, one after another"}
     subs = {name: sub.add_parser(name, parents=[common], help=text)
             for name, text in helps.items()}

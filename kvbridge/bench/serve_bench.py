@@ -25,6 +25,10 @@ TTFT and the TPOT SLO of the workload; ``slo_attainment`` is their share.
 A configuration whose tool is missing (vllm-router, nixl) is reported as
 skipped with the install command; one that fails keeps the points measured
 before the failure and the error.
+
+With a :class:`Deployment` (``--url``) nothing is started: each front end
+that is already running is a configuration, swept the same way
+(:func:`run_deployment`), and the report says so (``settings["deployment"]``).
 """
 
 from __future__ import annotations

@@ -169,6 +169,22 @@ def test_the_table_shows_each_point_goodput_rate_skips_and_failures(tmp_path: Pa
     assert (tmp_path / "serve.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_a_deployments_report_counts_its_failures_and_draws(tmp_path: Path) -> None:
+    short = serve_bench.WORKLOADS["short"]
+    url = "http://router:8000"
+    report = {"settings": {"model": "m", "repeats": 1, "deployment": True,
+                           "workloads": {"short": {**vars(short), "rates": (2.0,)}}},
+              "configs": {url: {"url": url, "points": [_point(_raw(), 2.0)]}}}
+    table = bench_tables.serve_table(report)
+    assert "model m; running front ends (--url); 1 repeat(s)" in table
+    assert f"- {url}: highest rate with >= 90% within SLO: " in table
+    assert bench_tables.passed("serve", report)
+    report["configs"][url]["points"][0]["failed"] = 1  # not named kvbridge-*, still counts
+    assert not bench_tables.passed("serve", report)
+    save_plot("serve", report, tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_goodput_rate_is_the_highest_rate_every_repeat_met() -> None:
     points = [{"sweep": "rate", "rate": r, "slo_attainment": s}
               for r, s in ((1.0, 1.0), (2.0, 0.95), (2.0, 0.85), (4.0, 0.9))]
