@@ -12,6 +12,7 @@ kvbridge.bench.transfer_agents``) and verifies their bytes.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -30,6 +31,16 @@ def _pip(*args: str, cwd: Path) -> None:
                    cwd=cwd, check=True, timeout=300, capture_output=True)
 
 
+def _isolation() -> list[str]:
+    """``--no-build-isolation`` where this environment's setuptools can build kvbridge
+    (pyproject.toml: setuptools>=77), so that nothing is downloaded; else pip fetches it."""
+    try:
+        major = int(importlib.metadata.version("setuptools").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return []
+    return ["--no-build-isolation"] if major >= 77 else []
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding kvbridge installed from its wheel (``kvbridge/``, ``bin/kvbridge``)."""
@@ -40,9 +51,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "kvbridge", src / "kvbridge",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    # --no-build-isolation: this environment's setuptools, no download
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src),
-         cwd=tmp)
+    _pip("wheel", "--no-deps", *_isolation(), "-w", str(tmp / "dist"), str(src), cwd=tmp)
     [wheel] = (tmp / "dist").glob("kvbridge-*.whl")
     _pip("install", "--no-deps", "--no-compile", "--target", str(tmp / "site"), str(wheel),
          cwd=tmp)
