@@ -75,6 +75,8 @@ def test_the_install_has_no_checkout_to_lean_on(installed: Path, tmp_path: Path)
     module_file, *path = where.stdout.splitlines()
     assert Path(module_file).is_relative_to(installed)
     assert str(REPO) not in path and not (installed / "benchmarks").exists()
+    # the peers' pins ship too (pip install --no-deps -r .../requirements.txt)
+    assert (installed / "kvbridge" / "bench" / "peers" / "requirements.txt").is_file()
 
 
 @pytest.mark.parametrize("subcommand", ["", *SUBCOMMANDS])
