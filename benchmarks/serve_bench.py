@@ -18,7 +18,8 @@ configuration: the configurations see the same requests, and no point
 repeats another's prompts (P's prefix cache would answer them). Before the
 sweep, 4 requests of the first workload warm each configuration up (not
 reported); between points the benchmark waits until no server has a request
-running or waiting.
+running or waiting. Each point also gets a profile (``benchmarks/serve_profile.py``):
+per server its CPU use and vLLM's queue, prefill and decode time per request.
 Goodput is vLLM's ``request_goodput``: requests per second that met both the
 TTFT and the TPOT SLO of the workload; ``slo_attainment`` is their share.
 
@@ -39,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks import serve_configs
+from benchmarks import serve_configs, serve_profile
 from benchmarks.serve_client import ClientError, Point, parse_result, run_point
 from benchmarks.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
 from benchmarks.vllm_servers import ServerError, VllmServer, scrape, start_all, total
@@ -165,6 +166,7 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
                                    "output_len": point.output_len,
                                    "loadavg": os.getloadavg()[0]}
             result_path = out / "serve-results" / f"{label}.json"
+            before = serve_profile.snapshot(servers, front.pid)
             raw = run_point(point, front.url, model, result_path,
                             log_dir / f"client-{label}.log", plan["point_timeout_s"])
             row.update(parse_result(raw, point.output_len), result_file=str(result_path))
@@ -172,6 +174,8 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
             done += 1
             tick(label)
             wait_idle(servers)
+            row["profile"] = serve_profile.usage(
+                before, serve_profile.snapshot(servers, front.pid), raw["duration"])
     except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

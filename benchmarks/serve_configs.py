@@ -99,6 +99,11 @@ class FrontEnd:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """Its process's (= its group's), while it runs."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> None:
         """Start it and block until ``/health`` answers 200.
 
