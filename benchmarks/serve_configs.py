@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.vllm_bench import config_servers, core_placement
-from benchmarks.vllm_servers import ServerError, VllmServer, group_pids
+from benchmarks.vllm_servers import ServerError, VllmServer, child_setup, group_pids
 from kvbridge.cli.demo.procs import reserve_ports
 
 CONFIGS = ("colocated", "kvbridge-router", "kvbridge-proxy", "nixl-router")
@@ -113,7 +113,8 @@ class FrontEnd:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=child_setup(None))  # dies with us
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
