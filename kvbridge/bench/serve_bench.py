@@ -18,7 +18,8 @@ configuration: the configurations see the same requests, and no point
 repeats another's prompts (P's prefix cache would answer them). Before the
 sweep, 4 requests of the first workload warm each configuration up (not
 reported); between points the benchmark waits until no server has a request
-running or waiting.
+running or waiting. Each point also gets a profile (``serve_profile.py``): per
+server its CPU use and vLLM's queue, prefill and decode time per request.
 Goodput is vLLM's ``request_goodput``: requests per second that met both the
 TTFT and the TPOT SLO of the workload; ``slo_attainment`` is their share.
 
@@ -44,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench import serve_configs
+from kvbridge.bench import serve_configs, serve_profile
 from kvbridge.bench.serve_client import ClientError, Point, parse_result, run_point
 from kvbridge.bench.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
 from kvbridge.bench.vllm_servers import ServerError, scrape, start_all, total
@@ -138,7 +139,10 @@ class Target:
         url: The OpenAI-compatible front end (``/v1/completions``).
         model: The model name requests carry; ``tokenizer`` builds the prompts.
         server_urls: vLLM servers whose ``/metrics`` tell when a point has drained
-            (none: the next point starts when ``vllm bench serve`` returns).
+            (none: the next point starts when ``vllm bench serve`` returns) and give
+            the profile its phases.
+        server_names: Their names in the profile (default: their URLs).
+        groups: (name, process group id) of the processes whose CPU the profile counts.
     """
 
     name: str
@@ -146,6 +150,13 @@ class Target:
     model: str | Path
     tokenizer: str | Path | None = None
     server_urls: tuple[str, ...] = ()
+    server_names: tuple[str, ...] = ()
+    groups: tuple[tuple[str, int], ...] = ()
+
+    def snapshot(self) -> serve_profile.Snapshot:
+        names = self.server_names or self.server_urls
+        return serve_profile.snapshot(dict(zip(names, self.server_urls, strict=True)),
+                                      dict(self.groups))
 
     @property
     def stem(self) -> str:
@@ -178,6 +189,7 @@ def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
                                "input_len": point.input_len, "output_len": point.output_len,
                                "loadavg": os.getloadavg()[0]}
         result_path = out / "serve-results" / f"{label}.json"
+        before = target.snapshot()
         raw = run_point(point, target.url, target.model, result_path,
                         out / "serve-logs" / f"client-{label}.log", plan["point_timeout_s"],
                         target.tokenizer)
@@ -185,6 +197,7 @@ def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
         result["points"].append(row)
         tick(label)
         wait_idle(target.server_urls)
+        row["profile"] = serve_profile.usage(before, target.snapshot(), raw["duration"])
     return len(points)
 
 
@@ -223,8 +236,11 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
         front = serve_configs.front_end(name, servers, log_dir)
         result["logs"].append(str(front.log_path))
         front.start()
-        _sweep(Target(name, front.url, model, server_urls=tuple(s.url for s in servers)),
-               points, out, plan, tick, result)
+        groups = [(s.name, s.pid) for s in servers] + [("front", front.pid)]
+        target = Target(name, front.url, model, server_urls=tuple(s.url for s in servers),
+                        server_names=tuple(s.name for s in servers),
+                        groups=tuple((n, pid) for n, pid in groups if pid is not None))
+        _sweep(target, points, out, plan, tick, result)
     except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from kvbridge.bench.vllm_bench import config_servers, core_placement
-from kvbridge.bench.vllm_servers import ServerError, VllmServer, group_pids
+from kvbridge.bench.vllm_servers import ServerError, VllmServer, child_setup, group_pids
 from kvbridge.cli.demo.procs import reserve_ports
 
 CONFIGS = ("colocated", "kvbridge-router", "kvbridge-proxy", "nixl-router")
@@ -99,6 +99,11 @@ class FrontEnd:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """Its process's (= its group's), while it runs."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> None:
         """Start it and block until ``/health`` answers 200.
 
@@ -108,7 +113,8 @@ class FrontEnd:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=child_setup(None))  # dies with us
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -177,6 +177,46 @@ def serve_goodput_rate(points: list[dict[str, Any]], attainment: float = 0.9) ->
     return max(good, default=None)
 
 
+def _sort_by_point(rows: list[list[Any]], order: list[str]) -> None:
+    """Rows that start (workload, load, config): by workload, rates before concurrency,
+    load, then configuration in run order."""
+    rows.sort(key=lambda r: (r[0], str(r[1])[:2] == "c=", float(str(r[1]).strip("c=/s")),
+                             order.index(str(r[2]))))
+
+
+def serve_profile_table(report: dict[str, Any]) -> str:
+    """Per configuration and sweep point (mean over repeats), each process's CPU use and
+    vLLM's per-request queue, prefill and decode time (``kvbridge/bench/serve_profile.py``)."""
+    headers = ["workload", "load", "config", "processes", "CPU % of a core",
+               "queue ms", "prefill ms", "decode ms"]
+    rows: list[list[Any]] = []
+    for name, result in report["configs"].items():
+        by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for p in result.get("points", []):
+            if "profile" in p:
+                by_point.setdefault((p["workload"], _load(p)), []).append(p["profile"])
+        for (workload, load), profiles in by_point.items():
+            procs = list(profiles[0])
+
+            def cells(key: str, procs: list[str] = procs,
+                      profiles: list[dict[str, Any]] = profiles) -> str:
+                means = []
+                for proc in procs:
+                    values = [pr[proc][key] for pr in profiles
+                              if pr.get(proc, {}).get(key) is not None]
+                    if key in profiles[0][proc]:
+                        means.append(f"{sum(values) / len(values):,.0f}" if values else "-")
+                return " / ".join(means)
+
+            rows.append([workload, load, name, " / ".join(procs), cells("cpu_percent"),
+                         cells("queue_ms"), cells("prefill_ms"), cells("decode_ms")])
+    _sort_by_point(rows, list(report["configs"]))
+    return "\n".join([markdown_table(headers, rows), "", "queue: waiting to be scheduled; "
+                      "prefill: scheduled to first token; decode: first to last token "
+                      "(vLLM's means per request); CPU: each process group's, over the "
+                      "point's duration"])
+
+
 def serve_table(report: dict[str, Any]) -> str:
     """Per configuration, workload and sweep point: counts, throughput, goodput, latency
     percentiles (one row per repeat); then each configuration's goodput rate, skips, errors."""
@@ -194,9 +234,7 @@ def serve_table(report: dict[str, Any]) -> str:
                          p["request_goodput"], f"{100 * p['slo_attainment']:.0f}%",
                          p["p50_ttft_ms"], p["p99_ttft_ms"], p["p50_tpot_ms"],
                          p["p99_tpot_ms"], p["p50_itl_ms"], p["p99_itl_ms"], p["loadavg"]])
-    order = list(configs)
-    rows.sort(key=lambda r: (r[0], str(r[1])[:2] == "c=", float(str(r[1]).strip("c=/s")),
-                             order.index(str(r[2]))))
+    _sort_by_point(rows, list(configs))
     settings = report["settings"]
     lines = [markdown_table(headers, rows), "", "times in ms; load: Poisson rate or "
              "concurrency; ok: completed (vllm bench serve: a first token came), of which "
@@ -225,6 +263,8 @@ def serve_table(report: dict[str, Any]) -> str:
         if "error" in result:
             lines.append(f"\n{name} FAILED after {len(result['points'])} point(s): "
                          f"{result['error']}")
+    if any("profile" in p for result in configs.values() for p in result.get("points", [])):
+        lines += ["\nwhere the time went:", serve_profile_table(report)]
     return "\n".join(lines)
 
 

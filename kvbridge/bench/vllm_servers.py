@@ -51,7 +51,7 @@ class ServerError(RuntimeError):
     """A server exited or did not answer in time; the message ends with its log."""
 
 
-def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
     """What the child runs before exec: die with the benchmark, keep to ``cpus`` if given."""
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -117,7 +117,7 @@ class VllmServer:
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(
                 self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=environ, start_new_session=True, preexec_fn=_child_setup(self.cpus))
+                env=environ, start_new_session=True, preexec_fn=child_setup(self.cpus))
         self.pid = self._proc.pid
 
     def wait_ready(self) -> None:

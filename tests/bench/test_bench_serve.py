@@ -161,6 +161,18 @@ def test_the_table_shows_each_point_goodput_rate_skips_and_failures(tmp_path: Pa
     assert f"kvbridge-proxy: highest rate with >= 90% within SLO: {expected}" in table
     assert "colocated SKIPPED: vllm-router is not installed" in table
     assert "nixl-router FAILED after 1 point(s): ClientError" in table
+    assert "where the time went" not in table  # no point has a profile
+    points = report["configs"]["kvbridge-proxy"]["points"]
+    for point, cpu in zip(points, (90.0, 100.0), strict=True):
+        point["profile"] = {"P": {"cpu_percent": cpu, "queue_ms": 1000.0, "prefill_ms": 50.0,
+                                  "decode_ms": None, "requests": 2},
+                            "front": {"cpu_percent": 4.0}}
+    points[1]["rate"] = 2.0  # a repeat of 2/s
+    profile_rows = [line for line in bench_tables.serve_table(report).splitlines()
+                    if "P / front" in line]
+    assert [[c.strip() for c in row.split("|")[4:9]] for row in profile_rows] == [
+        ["P / front", "95 / 4", "1,000", "50", "-"]]  # the repeats' mean
+    points[1]["rate"] = 4.0
     # a failed request counts against kvbridge only
     assert bench_tables.passed("serve", report)
     report["configs"]["kvbridge-proxy"]["points"][0]["failed"] = 1
@@ -221,6 +233,12 @@ def test_one_configuration_runs_vllm_bench_serve_end_to_end(tmp_path: Path) -> N
     raw = json.loads(Path(point["result_file"]).read_text())
     assert (raw["num_prompts"], raw["request_rate"]) == (4, 4.0)
     assert point["p99_ttft_ms"] > 0 and point["p50_tpot_ms"] > 0
+    # the profile: each process's CPU, and vLLM's phases for every request both served
+    profile = point["profile"]
+    assert set(profile) == {"P", "D", "front"}
+    assert profile["P"]["requests"] == profile["D"]["requests"] == 4
+    assert all(profile[name]["cpu_percent"] > 0 for name in profile)
+    assert profile["P"]["prefill_ms"] > 0 and profile["D"]["decode_ms"] > 0
 
 
 def test_url_refuses_what_would_start_servers_and_needs_a_model() -> None:
@@ -263,6 +281,9 @@ def test_url_measures_a_running_server_and_leaves_it_running(tmp_path: Path) -> 
         assert code == 0 and result["warmup"]["completed"] == 4
         raw = json.loads(Path(point["result_file"]).read_text())
         assert (raw["num_prompts"], raw["max_concurrency"]) == (4, 2)
+        # a deployment's profile: the phases of the servers named by --server-url
+        assert point["profile"][server.url]["requests"] == 4
+        assert "cpu_percent" not in point["profile"][server.url]
         # nothing of the deployment was started or stopped by the benchmark
         assert "logs" not in result
         assert httpx.get(f"{server.url}/v1/models", timeout=10.0).status_code == 200

@@ -1,0 +1,79 @@
+"""Where each process's time went during one ``kvbridge bench serve`` point.
+
+Called by ``kvbridge/bench/serve_bench.py`` around every point: :func:`snapshot`
+before and after (after the servers are idle again, so that every request of
+the point is counted), then :func:`usage`. Per vLLM server it gives
+
+- ``cpu_percent``: CPU time of its whole process group (API server, engine
+  core, workers, kvbridge's transfer agent) over the point's duration as
+  ``vllm bench serve`` measured it (first request sent to last answer), in %
+  of one core; with ``--cores split`` each server has one core, so near 100
+  means that core was never idle;
+- ``requests``: the requests it finished;
+- ``queue_ms``, ``prefill_ms``, ``decode_ms``: vLLM's own per-request means
+  (``vllm:request_{queue,prefill,decode}_time_seconds``): waiting to be
+  scheduled, scheduled to first token, first to last token.
+
+and for the front end (router or proxy) its CPU. Against a running deployment
+(``--url``, ``--server-url``) only the phases are known. This is the profile behind a
+lost comparison: e.g. a P whose core is busy all the time and whose queue
+time makes up most of TTFT has too little compute for its prefills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.bench.proc_cpu import cpu_snapshot
+from kvbridge.bench.vllm_servers import scrape, total
+
+_PHASES = {"queue_ms": "vllm:request_queue_time_seconds",
+           "prefill_ms": "vllm:request_prefill_time_seconds",
+           "decode_ms": "vllm:request_decode_time_seconds"}
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of the live threads of process group ``pgid`` so far."""
+    return sum(cpu_s for _, _, cpu_s in cpu_snapshot(pgid).values())
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """CPU seconds per process group and vLLM's phase sums and counts per server."""
+
+    cpu_s: dict[str, float]
+    phases: dict[str, dict[str, tuple[float, float]]]  # server -> phase -> (sum s, count)
+
+
+def snapshot(servers: dict[str, str], groups: dict[str, int]) -> Snapshot:
+    """Now's counters: vLLM's phases of ``servers`` (name -> URL) and the CPU seconds of
+    process ``groups`` (name -> process group id)."""
+    phases = {}
+    for name, url in servers.items():
+        samples = scrape(url)
+        phases[name] = {
+            phase: (total(samples, f"{metric}_sum"), total(samples, f"{metric}_count"))
+            for phase, metric in _PHASES.items()}
+    return Snapshot({name: group_cpu_s(pgid) for name, pgid in groups.items()}, phases)
+
+
+def usage(before: Snapshot, after: Snapshot, busy_s: float) -> dict[str, dict[str, Any]]:
+    """Per server and process group: CPU used between the snapshots in % of one core
+    over ``busy_s``, requests finished, and the mean of each phase in ms (None where no
+    request finished). A deployment's servers (``--url``) have phases only."""
+    wall_s = max(busy_s, 1e-9)
+    result: dict[str, dict[str, Any]] = {}
+    for name in {**after.phases, **after.cpu_s}:  # servers first, then the front end
+        row: dict[str, Any] = {}
+        if name in after.cpu_s:
+            row["cpu_percent"] = round(
+                100 * (after.cpu_s[name] - before.cpu_s.get(name, 0.0)) / wall_s, 1)
+        if name in after.phases:
+            for phase, (sum_s, count) in after.phases[name].items():
+                old_sum, old_count = before.phases[name][phase]
+                done = count - old_count
+                row[phase] = round(1000 * (sum_s - old_sum) / done, 1) if done else None
+                row["requests"] = int(done)  # the same count for every phase
+        result[name] = row
+    return result
