@@ -64,10 +64,10 @@ from kvbridge.transfer.protocol.grant_board import GrantBoard, board_supported
 from kvbridge.transfer.protocol.handshake import Identity
 from kvbridge.transfer.protocol.host import ProbeCell, allowed, host_memory
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.base import ReaderContext
 from kvbridge.transfer.reading.copier import Copier
 from kvbridge.transfer.reading.jobs import ReadJob, ReadStats, checked_ports
 from kvbridge.transfer.reading.reads import Reads
-from kvbridge.transfer.reading.strategy import ReaderContext
 from kvbridge.transfer.serving.context import ServerContext, grant_issued
 from kvbridge.transfer.serving.grants import Grant, GrantTable
 from kvbridge.transfer.serving.session import serve_connection
@@ -548,7 +548,7 @@ class TransferAgent:
         """
         sending = {release.request_id for release in self.grants.drain_released()}
         running = self._running
-        recving = running.reads.take_finished() if running is not None else set()
+        recving = running.reads.outcomes.take_finished() if running is not None else set()
         return sending, recving
 
     def wait_finished(self, timeout_s: float) -> bool:
@@ -562,17 +562,17 @@ class TransferAgent:
         running = self._running
         if running is None or self._closed:
             return False
-        return running.reads.wait_finished(timeout_s)
+        return running.reads.outcomes.wait_finished(timeout_s)
 
     def get_failed_block_ids(self) -> dict[str, set[int]]:
         """Return and forget local block ids that could not be loaded, by request."""
         running = self._running
-        return running.reads.take_failed() if running is not None else {}
+        return running.reads.outcomes.take_failed() if running is not None else {}
 
     def get_stats(self) -> list[ReadStats]:
         """Return and forget per-read statistics of reads that ended."""
         running = self._running
-        return running.reads.take_stats() if running is not None else []
+        return running.reads.outcomes.take_stats() if running is not None else []
 
 
 def _on_grant_issued(running: _Running) -> None:

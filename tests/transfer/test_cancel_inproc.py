@@ -69,7 +69,8 @@ async def cancel_after_the_first_block(server: Server, reader: Reader) -> None:
     assert reader.failed["late"] == set(LOCAL)
     # reported once: the cancel of a read that ended has nothing left to do
     assert await reader.reads.cancel({"late"}, QUIESCE_S) == {"late"}
-    assert reader.reads.take_finished() == set() and reader.reads.take_failed() == {}
+    outcomes = reader.reads.outcomes
+    assert outcomes.take_finished() == set() and outcomes.take_failed() == {}
 
 
 async def read_again(server: Server, reader: Reader) -> None:

@@ -23,7 +23,7 @@ import torch
 from kvbridge.transfer.agent import TransferAgent
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.host_memory import kv_cache_zeros
-from kvbridge.transfer.reading import copier, inline
+from kvbridge.transfer.reading import copy_source, inline
 from kvbridge.transfer.reading.jobs import ReadStats
 from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches
 from tests.waiting import wait_until
@@ -148,7 +148,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     server, reader, p_caches, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
     wait_until(lambda: len(server.grants) == 0, 5.0, message="link's done report")
-    real_find = copier.find_grant
+    real_find = copy_source.find_grant
     changed: list[str] = []
 
     def find_then_change(*args: Any) -> Any:
@@ -164,7 +164,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
                 assert server.grants.refresh_board() == 1
         return spot
 
-    monkeypatch.setattr(copier, "find_grant", find_then_change)
+    monkeypatch.setattr(copy_source, "find_grant", find_then_change)
     finished, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
     assert changed == [what] and "changed" not in finished  # not kept inline
     if what == "revoked":
@@ -284,10 +284,10 @@ def test_a_server_gone_for_good_is_let_go_once_another_is_read_from(agents: tupl
     del first, board
     gc.collect()
     assert board_maps(inode) == 1  # the reader's
-    wait_until(lambda: not any(link.alive for key, link in reads._links.items()
+    wait_until(lambda: not any(link.alive for key, link in reads._links._links.items()
                                if key[0] == "p-gone"), 10.0, message="the link to die")
     gc.collect()
     assert board_maps(inode) == 0  # let go once its link died
     for n in range(2):  # a link to another server (its second read is made inline)
         read_now(server, reader, f"after-gone-{n}", [1], [2])
-    assert [key for key in reads._links if key[0] == "p-gone"] == []
+    assert [key for key in reads._links._links if key[0] == "p-gone"] == []

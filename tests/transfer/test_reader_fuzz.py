@@ -34,9 +34,10 @@ from kvbridge.transfer.errors import ProtocolError, TransferError
 from kvbridge.transfer.local_kv import LocalKV, topology_of
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import serve_handshake
+from kvbridge.transfer.reading.base import ReaderContext
 from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.reading.server_meta import check_server_meta
-from kvbridge.transfer.reading.strategy import ReaderContext, prepare
+from kvbridge.transfer.reading.strategy import prepare
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
 from tests.transfer.inproc import (

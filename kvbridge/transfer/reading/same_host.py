@@ -63,16 +63,11 @@ from kvbridge.transfer.errors import (
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import BoardSpot
-from kvbridge.transfer.reading.copier import (
-    Copier,
-    CopyRefusedError,
-    CopyRun,
-    CopySource,
-    IovArray,
-    zero_rows,
-)
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReadSetup
+from kvbridge.transfer.reading.copier import Copier, CopyRun
+from kvbridge.transfer.reading.copy_source import CopyRefusedError, CopySource
 from kvbridge.transfer.reading.direct import direct_request
-from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReadSetup
+from kvbridge.transfer.reading.libc import IovArray, zero_rows
 
 if TYPE_CHECKING:
     from kvbridge.transfer.reading.link import PeerLink

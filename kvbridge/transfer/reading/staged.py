@@ -32,7 +32,7 @@ from kvbridge.topology import KVLayout, RemoteRead
 from kvbridge.transfer.blocks.staging import Buffer, as_tensor
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext, ReadSetup
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReaderContext, ReadSetup
 from kvbridge.transfer.reading.tokens import TokenWindow
 
 if TYPE_CHECKING:
