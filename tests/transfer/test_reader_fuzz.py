@@ -87,7 +87,7 @@ def test_mutated_metadata_is_refused_typed_or_sizes_within_our_cache(changes: di
     for item in plan.items:
         setup = prepare(meta, ctx, iter([1]), item, "grant-0000000000", [0, 1], [0, 1],
                         min(meta.block_size, 4), 0, b"")
-        assert setup.request.chunk_blocks * setup.wire_fmt.block_nbytes <= max(
+        assert setup.request.chunk_blocks * setup.packed_fmt.block_nbytes <= max(
             CACHE_NBYTES, AgentConfig().chunk_nbytes)
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.kernels import WireFormat
+from kvbridge.kernels import PackedFormat
 from kvbridge.topology import RemoteRead
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.ranges import HeadSpan, num_planes
@@ -71,7 +71,7 @@ class ReadSetup:
 
     item: RemoteRead
     request: wire.ReadRequest  # as for a staged read; direct strategies adapt it
-    wire_fmt: WireFormat
+    packed_fmt: PackedFormat
     tokens: TokenWindow
     local_block_ids: Sequence[int]
     span: HeadSpan | None  # our heads' run in a block plane if the item can be read direct

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from kvbridge.errors import ConfigError
-from kvbridge.kernels import WireFormat
+from kvbridge.kernels import PackedFormat
 from kvbridge.topology import KVLayout, RemoteRead
 from kvbridge.transfer.blocks.ranges import HeadSpan, head_span
 from kvbridge.transfer.protocol import wire
@@ -66,7 +66,7 @@ def prepare(
         ConfigError: the remote block ids do not cover the tokens, or a fused
             K/V cache is read from inside a block.
     """
-    wire_fmt = WireFormat(
+    packed_fmt = PackedFormat(
         layout=KVLayout.parse(meta.layout), block_size=meta.block_size,
         num_heads=len(item.remote_heads), head_dim=meta.head_dim,
         elem_nbytes=meta.elem_nbytes, num_layers=len(item.remote_layers), is_mla=meta.is_mla,
@@ -87,7 +87,7 @@ def prepare(
             f"{len(remote_block_ids)} remote block ids of {meta.block_size} tokens do not "
             f"cover tokens [{first_token}, {first_token + num_tokens})"
         )
-    chunk_blocks = max(1, ctx.config.chunk_nbytes // wire_fmt.block_nbytes)
+    chunk_blocks = max(1, ctx.config.chunk_nbytes // packed_fmt.block_nbytes)
     xfer_id = next(xfer_ids) % wire.MAX_XFER_ID + 1
     request = wire.ReadRequest(
         xfer_id, grant, block_ids, item.remote_heads.start, item.remote_heads.stop,
@@ -95,7 +95,7 @@ def prepare(
         prompt_digest=prompt_digest,
     )
     span = _direct_span(meta, ctx, item, tokens)
-    return ReadSetup(item, request, wire_fmt, tokens, local_block_ids, span)
+    return ReadSetup(item, request, packed_fmt, tokens, local_block_ids, span)
 
 
 def _direct_span(
