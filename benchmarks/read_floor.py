@@ -93,8 +93,8 @@ class _Pair:
         from kvbridge.transfer.protocol.grant_board import (
             SLOT_NBYTES,
             find_grant,
+            grant_digest,
             home_slot,
-            token_digest,
         )
         from kvbridge.transfer.reading import libc
 
@@ -112,7 +112,7 @@ class _Pair:
         def bare() -> float:
             request_id, token = self.grant()
             started = time.perf_counter()
-            digest = token_digest(token)
+            digest = grant_digest(token)
             spot = find_grant(board, home_slot(digest, slots) * SLOT_NBYTES, board_address,
                               digest, block_ids, b"", time.monotonic(), place)
             if spot is None:

@@ -40,10 +40,10 @@ from kvbridge.transfer.protocol.grant_board import (
     BoardSpot,
     board_supported,
     find_grant,
+    grant_digest,
     home_slot,
     memory_fence,
     slot_seq,
-    token_digest,
 )
 from kvbridge.transfer.protocol.host import host_identity, map_shared
 from kvbridge.transfer.reading.cache_maps import CacheMaps
@@ -201,9 +201,9 @@ class CopySource:
             raise PeerClosedError(f"pid {self.pid} is no longer the server (probe differs)")
         return spot is None or seq == spot.seq
 
-    def find_grant(self, token: str, block_ids: Sequence[int], prompt_digest: bytes,
+    def find_grant(self, grant: str, block_ids: Sequence[int], prompt_digest: bytes,
                    place: int) -> BoardSpot | None:
-        """Where the server's board says ``token`` may read ``block_ids`` now, or None.
+        """Where the server's board says ``grant`` may read ``block_ids`` now, or None.
 
         ``place``: of the go whose origins the copy will use (``grant_board.py``).
 
@@ -212,7 +212,7 @@ class CopySource:
         """
         if not self.board_slots:
             return None
-        digest = token_digest(token)
+        digest = grant_digest(grant)
         if self._board is not None:
             first = home_slot(digest, self.board_slots) * SLOT_NBYTES
             return find_grant(self._board, first, self.board_address, digest, block_ids,
@@ -230,7 +230,7 @@ class CopySource:
                           place)
 
     def _window_address(self, digest: bytes) -> int:
-        """Where the board window of a grant whose token has ``digest`` starts (the server's)."""
+        """Where the board window of a grant whose string has ``digest`` starts (the server's)."""
         return self.board_address + home_slot(digest, self.board_slots) * SLOT_NBYTES
 
     @staticmethod
