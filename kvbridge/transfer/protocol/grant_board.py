@@ -2,7 +2,7 @@
 
 A protocol in memory rather than on the wire: the server writes the board
 (``GrantBoard``, kept by its grant table, ``serving/grants.py``), a reader on
-its host reads it (``find_grant``, through ``reading/copier.py``); both agree on
+its host reads it (``find_grant``, through ``reading/copy_source.py``); both agree on
 the slot format below.
 
 A same-host copy (``reading/same_host.py``) needs the server's word that the grant is
@@ -47,7 +47,7 @@ reader finds it with one read of ``WINDOW`` slots.
 Where it can, the board lives in a ``memfd`` (``GrantBoard.fd``) that a reader
 maps read-only through ``/proc/<pid>/fd/<fd>`` (the same permission as
 ``process_vm_readv``): then finding a grant is plain loads from the reader's own
-mapping, no system call (``reading/copier.py``). After the slots comes the board's tag
+mapping, no system call (``reading/copy_source.py``). After the slots comes the board's tag
 (``TAG_NBYTES`` random bytes): a reader compares it through ``process_vm_readv``
 at the advertised address with its mapping's before it trusts the mapping.
 

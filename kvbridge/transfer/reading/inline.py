@@ -4,7 +4,7 @@ Most reads between two processes on one host need nobody but the reader: the
 server's grant board (``protocol/grant_board.py``) says whether the grant is
 live and holds the read's blocks, the handshake (``wire.HostInfo.origins``) or
 an earlier go says where the blocks sit, and the kernel copies them
-(``copier.py``). So ``TransferAgent.start_read`` tries this first, on the thread
+(``copy_source.py``, ``copier.py``). So ``TransferAgent.start_read`` tries this first, on the thread
 that called it, before anything goes to the agent's event loop::
 
     caller: board window -> live, these blocks, this prompt (seq s)?

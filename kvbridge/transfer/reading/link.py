@@ -1,6 +1,6 @@
 """The reading half's connection to one remote rank: ``PeerLink``.
 
-``reads.py`` opens a link the first time it reads from a remote (engine, rank),
+``links.py`` opens a link the first time a read needs a remote (engine, rank),
 keeps it while it is healthy, and opens a new one (with a new handshake and
 fresh metadata) once it died. A link runs two tasks: a dispatcher that
 receives every control message and hands replies to their waiters, and a

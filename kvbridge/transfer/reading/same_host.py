@@ -4,9 +4,10 @@ For direct reads (``direct.py``'s conditions) from a server on this host that
 offered it (``protocol/host.py``), of ``AgentConfig.local_copy_min_nbytes`` (0:
 any size) and more. One copy beats UCX's shared memory, where the server copies
 every byte into a FIFO and the reader out of it; and it costs the server's process
-no CPU per byte. The copy itself is ``copier.py``'s. Most such reads never get
-here: ``inline.py`` makes them on the caller's thread on the grant board's word;
-this module serves those it cannot (no board, a grant not on it, a large read).
+no CPU per byte. The copy itself is ``copier.py``'s (out of ``copy_source.py``'s
+server). Most such reads never get here: ``inline.py`` makes them on the
+caller's thread on the grant board's word; this module serves those it cannot
+(no board, a grant not on it, a large read).
 
 The server still decides what may be read: the reader asks as for any direct
 read, and the server checks the grant, pins it and answers ``CopyGo`` (where
