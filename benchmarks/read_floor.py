@@ -93,17 +93,18 @@ class _Pair:
         from kvbridge.transfer.protocol.grant_board import (
             SLOT_NBYTES,
             find_grant,
+            grant_digest,
             home_slot,
-            token_digest,
         )
-        from kvbridge.transfer.reading import copier
+        from kvbridge.transfer.reading import libc
 
         prepared: Any = next(iter(self.agent._running.reads._inline._prepared.values()))
         source = prepared.link.same_host.source
-        if not prepared.whole or source._board is None or copier._readv is None:
+        if not prepared.whole or source._board is None or libc.process_vm_readv is None:
             raise FloorError("the read is not one mapped-board process_vm_readv here")
         board, slots, board_address = source._board, source.board_slots, source.board_address
-        readv, pid, probe, place = copier._readv, source.pid, source.probe, prepared.go.place
+        readv, pid, probe = libc.process_vm_readv, source.pid, source.probe
+        place = prepared.go.place
         block_ids, remote, tail = prepared.block_ids, prepared.remote, prepared.tail
         local_rows, remote_rows, want = prepared.rows
         num_rows = len(prepared.local)
@@ -111,7 +112,7 @@ class _Pair:
         def bare() -> float:
             request_id, token = self.grant()
             started = time.perf_counter()
-            digest = token_digest(token)
+            digest = grant_digest(token)
             spot = find_grant(board, home_slot(digest, slots) * SLOT_NBYTES, board_address,
                               digest, block_ids, b"", time.monotonic(), place)
             if spot is None:

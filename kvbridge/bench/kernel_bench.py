@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvbridge.kernels import pack, unpack, wire_format
+from kvbridge.kernels import pack, packed_format, unpack
 from kvbridge.topology import KVLayout
 
 NHD, HND = KVLayout.NHD, KVLayout.HND
@@ -150,10 +150,10 @@ def _bench_case(
         copy_dst = _caches(shape, r_layout, r_bs, p_blocks, device)
         memcpy_src = source
     else:
-        wire = wire_format(source, r_layout, 0, shape.num_heads)
+        fmt = packed_format(source, r_layout, 0, shape.num_heads)
         dest = _caches(shape, l_layout, l_bs, d_blocks, device)
         ours = _best_seconds(
-            lambda: unpack(buf, wire, p_blocks, dest, d_ids, l_layout, 0), reps, device, clock
+            lambda: unpack(buf, fmt, p_blocks, dest, d_ids, l_layout, 0), reps, device, clock
         )
         needs_fix = case.remote != case.local
         supported = r_bs <= l_bs and r_layout in (l_layout, HND)

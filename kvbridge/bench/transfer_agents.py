@@ -112,7 +112,7 @@ def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
             match msg:
                 case ("grant", request_id, block_ids):
                     agent.get_finished()  # releases of earlier grants
-                    conn.send(agent.issue_grant(request_id, block_ids, 1, lease_s=120.0).token)
+                    conn.send(agent.issue_grant(request_id, block_ids, 1, lease_s=120.0).grant)
                 case ("where",):  # for the copy yardstick (``CopyYardstick``)
                     conn.send((os.getpid(), [cache.data_ptr() for cache in caches]))
     finally:

@@ -2,7 +2,7 @@
 
 ``ConnectorScheduler`` (``scheduler.py``) owns one :class:`HeldGrants`. When a
 ``do_remote_decode`` request finishes on P, :meth:`HeldGrants.hold` keeps its
-prompt's blocks under a fresh grant token (a ``SendRequest`` for the workers)
+prompt's blocks under a fresh grant (a ``SendRequest`` for the workers)
 and returns the ``kv_transfer_params`` D reads with. A hold ends when the
 workers report the request as finished sending: every reader reported, the
 lease ended, or the grant was revoked (:meth:`HeldGrants.revoke`)::

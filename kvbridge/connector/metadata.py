@@ -8,7 +8,7 @@ pickles for worker pipes and encodes with msgspec (no other wire format).
 Four lists, each consumed once::
 
     reqs_to_recv     D: read these tokens of a request from P into these blocks
-    reqs_to_send     P: hold these blocks under this grant token for readers
+    reqs_to_send     P: hold these blocks under this grant for readers
     reqs_to_release  P: revoke these requests' grants now (blocks freed after)
     reqs_to_notify   D: tell P we will not read (full local hit, or aborted)
 """
@@ -40,7 +40,7 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_pp_size: P's PP size.
         remote_block_size: P's block size.
         remote_block_ids: P's blocks of the request from token 0.
-        grant: P's grant token.
+        grant: P's grant (the secret string that names it).
         kv_digest: ``binding.kv_digest`` of this request's prompt and
             ``remote_block_ids``, sent with every read: P refuses the read
             unless its grant was issued for the same prompt and blocks.
@@ -85,8 +85,8 @@ class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         request_id: the request on this (P) engine.
         block_ids: blocks to hold, in token order.
-        grant: the token every rank issues the grant under (readers send one
-            token to all ranks).
+        grant: the string every rank issues the grant under (readers send one
+            to all ranks).
         lease_s: how long the blocks are held if readers do not report.
         kv_digest: ``binding.kv_digest`` of the prompt tokens the blocks hold
             and ``block_ids``; the grant refuses reads naming anything else.
@@ -108,7 +108,7 @@ class NotifyRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_host: P's transfer host.
         remote_port: P's transfer base port.
         remote_ports: the port of each of P's global ranks (empty: base + rank).
-        grant: P's grant token.
+        grant: P's grant (the secret string that names it).
         ok: True when nothing was needed (full local hit), False when the
             request was aborted or could not be loaded.
     """

@@ -84,7 +84,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         remote_pp_size: P's pipeline-parallel size.
         remote_block_size: P's tokens per block.
         remote_num_tokens: prompt tokens whose KV P computed (from token 0).
-        grant: token naming P's grant for the blocks (a secret: do not log it).
+        grant: the string naming P's grant for the blocks (a secret: do not log it).
         expires_at: wall-clock epoch seconds after which P may have freed the blocks;
             P hands out whole seconds, which every JSON parser reads back exactly
             (a router that re-encodes the params must not change a signed value).

@@ -281,7 +281,7 @@ class ConnectorWorker:
                     with on_device(self._device[0]):
                         copy_blocks(self._device, self._host, send.block_ids)
                 agent.issue_grant(send.request_id, send.block_ids, None, lease_s=send.lease_s,
-                                  token=send.grant, prompt_digest=send.kv_digest)
+                                  grant=send.grant, prompt_digest=send.kv_digest)
             except KVBridgeError as exc:
                 logger.warning("cannot hold %r for readers: %s", send.request_id, exc)
                 self._sending.add(send.request_id)

@@ -23,38 +23,39 @@ Bad input raises :class:`KernelInputError` (a ``ValueError``) before any write.
 Example (sender has block size 16 in HND, receiver block size 32 in NHD and
 twice the heads, so this sender's 4 heads land at head offset 4)::
 
-    from kvbridge.kernels import WireFormat, copy_blocks, pack, unpack, wire_format
+    from kvbridge.kernels import PackedFormat, copy_blocks, pack, unpack, packed_format
     from kvbridge.topology import KVLayout
 
     # sender: caches = [layer0, layer1, ...], each [2, nb, 4, 16, 128] (HND)
-    wire = wire_format(p_caches, KVLayout.HND, head_start=0, head_end=4)
+    fmt = packed_format(p_caches, KVLayout.HND, head_start=0, head_end=4)
     buf = pack(p_caches, [7, 3, 9], 0, 4, KVLayout.HND, out=staging)  # 1-D uint8
-    assert buf.numel() == wire.nbytes(3)
+    assert buf.numel() == fmt.nbytes(3)
 
     # receiver: caches [2, nb, 32, 8, 128] (NHD); 3 remote blocks = 48 tokens,
     # of which the last block holds 5 valid tokens -> 37 tokens into 2 local blocks
-    unpack(buf, wire, 3, d_caches, [12, 4], KVLayout.NHD, head_offset=4, num_tokens=37)
+    unpack(buf, fmt, 3, d_caches, [12, 4], KVLayout.NHD, head_offset=4, num_tokens=37)
 
     # host staging: device cache -> pinned host mirror, same block ids
     copy_blocks(gpu_caches, host_caches, [12, 4])
 
-``WireFormat(layout, block_size, num_heads, head_dim, elem_nbytes, num_layers, is_mla)``
-may also be built by hand from handshake metadata. The wire layout is documented
-in :mod:`kvbridge.kernels.wire`.
+``PackedFormat(layout, block_size, num_heads, head_dim, elem_nbytes, num_layers, is_mla)``
+may also be built by hand from handshake metadata. The packed layout is documented
+in :mod:`kvbridge.kernels.packed_format`.
 """
 
 from __future__ import annotations
 
-from kvbridge.kernels.launch import Impl, copy_blocks, on_device, pack, unpack, wire_format
-from kvbridge.kernels.wire import KernelInputError, WireFormat
+from kvbridge.kernels.errors import KernelInputError
+from kvbridge.kernels.launch import Impl, copy_blocks, on_device, pack, packed_format, unpack
+from kvbridge.kernels.packed_format import PackedFormat
 
 __all__ = [
     "Impl",
     "KernelInputError",
-    "WireFormat",
+    "PackedFormat",
     "copy_blocks",
     "on_device",
     "pack",
     "unpack",
-    "wire_format",
+    "packed_format",
 ]

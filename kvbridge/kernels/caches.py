@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.kernels.wire import KernelInputError
+from kvbridge.kernels.errors import KernelInputError
 from kvbridge.topology import KVLayout
 
 __all__ = [

@@ -13,7 +13,8 @@ from typing import Literal
 import torch
 
 from kvbridge.kernels.caches import CacheSet, int_dtype
-from kvbridge.kernels.wire import KernelInputError, WireFormat
+from kvbridge.kernels.errors import KernelInputError
+from kvbridge.kernels.packed_format import PackedFormat
 
 Impl = Literal["auto", "triton", "torch"]
 BlockIds = Sequence[int] | torch.Tensor
@@ -26,18 +27,18 @@ def check_heads(caches: CacheSet, head_start: int, head_end: int) -> None:
         raise KernelInputError(f"head slice [{head_start}, {head_end}) is not within {what}")
 
 
-def check_wire(wire: WireFormat, caches: CacheSet, head_offset: int) -> None:
-    """Raise unless ``wire`` can land in ``caches`` at ``head_offset``."""
-    if not isinstance(wire, WireFormat):
-        raise KernelInputError(f"wire must be a WireFormat, got {type(wire).__name__}")
+def check_format(fmt: PackedFormat, caches: CacheSet, head_offset: int) -> None:
+    """Raise unless ``fmt`` can land in ``caches`` at ``head_offset``."""
+    if not isinstance(fmt, PackedFormat):
+        raise KernelInputError(f"fmt must be a PackedFormat, got {type(fmt).__name__}")
     mismatches = [
         (name, theirs, ours)
         for name, theirs, ours in (
-            ("is_mla", wire.is_mla, caches.is_mla),
-            ("fused_kv", wire.fused_kv, caches.fused_kv),
-            ("num_layers", wire.num_layers, caches.num_layers),
-            ("head_dim", wire.head_dim, caches.head_dim),
-            ("elem_nbytes", wire.elem_nbytes, caches.elem_nbytes),
+            ("is_mla", fmt.is_mla, caches.is_mla),
+            ("fused_kv", fmt.fused_kv, caches.fused_kv),
+            ("num_layers", fmt.num_layers, caches.num_layers),
+            ("head_dim", fmt.head_dim, caches.head_dim),
+            ("elem_nbytes", fmt.elem_nbytes, caches.elem_nbytes),
         )
         if theirs != ours
     ]
@@ -45,22 +46,22 @@ def check_wire(wire: WireFormat, caches: CacheSet, head_offset: int) -> None:
         text = ", ".join(
             f"{name} remote {theirs} local {ours}" for name, theirs, ours in mismatches
         )
-        raise KernelInputError(f"wire format does not match the local caches: {text}")
-    local_bs, remote_bs = caches.block_size, wire.block_size
+        raise KernelInputError(f"packed format does not match the local caches: {text}")
+    local_bs, remote_bs = caches.block_size, fmt.block_size
     if local_bs % remote_bs and remote_bs % local_bs:
         raise KernelInputError(
             f"remote block size {remote_bs} and local block size {local_bs}: neither divides "
             "the other"
         )
-    if head_offset < 0 or head_offset + wire.num_heads > caches.num_heads:
+    if head_offset < 0 or head_offset + fmt.num_heads > caches.num_heads:
         raise KernelInputError(
-            f"{wire.num_heads} remote heads at head_offset {head_offset} do not fit in "
+            f"{fmt.num_heads} remote heads at head_offset {head_offset} do not fit in "
             f"{caches.num_heads} local heads"
         )
 
 
 def check_fused(
-    wire: WireFormat, caches: CacheSet, num_tokens: int, token_offset: int, src_token_offset: int
+    fmt: PackedFormat, caches: CacheSet, num_tokens: int, token_offset: int, src_token_offset: int
 ) -> None:
     """Raise unless an unpack into fused K/V caches moves whole blocks as they are.
 
@@ -72,10 +73,10 @@ def check_fused(
     if not caches.fused_kv:
         return
     block_size = caches.block_size
-    if wire.block_size != block_size:
+    if fmt.block_size != block_size:
         raise KernelInputError(
             f"fused K/V caches (K transposed in each block) are not re-blocked: remote block "
-            f"size {wire.block_size}, local {block_size}"
+            f"size {fmt.block_size}, local {block_size}"
         )
     partial = {name: value for name, value in (
         ("num_tokens", num_tokens), ("token_offset", token_offset),

@@ -23,15 +23,16 @@ from kvbridge.kernels.caches import (
     widen,
 )
 from kvbridge.kernels.checks import BlockIds, Impl
-from kvbridge.kernels.wire import KernelInputError, WireFormat
+from kvbridge.kernels.errors import KernelInputError
+from kvbridge.kernels.packed_format import PackedFormat
 from kvbridge.topology import KVLayout
 
-__all__ = ["Impl", "copy_blocks", "on_device", "pack", "unpack", "wire_format"]
+__all__ = ["Impl", "copy_blocks", "on_device", "pack", "unpack", "packed_format"]
 
 
-def wire_format(
+def packed_format(
     layer_caches: LayerCaches, layout: KVLayout, head_start: int, head_end: int
-) -> WireFormat:
+) -> PackedFormat:
     """Describe the buffer :func:`pack` builds from these caches and head slice.
 
     Raises:
@@ -39,7 +40,7 @@ def wire_format(
     """
     caches = split_layers(layer_caches, layout, "caches")
     checks.check_heads(caches, head_start, head_end)
-    return _wire_of(caches, head_end - head_start)
+    return _format_of(caches, head_end - head_start)
 
 
 def pack(
@@ -54,7 +55,7 @@ def pack(
 ) -> torch.Tensor:
     """Gather blocks (all layers, heads ``[head_start, head_end)``) into one buffer.
 
-    The buffer follows the wire layout of :mod:`kvbridge.kernels.wire`; no relayout.
+    The buffer follows the packed layout of :mod:`kvbridge.kernels.packed_format`; no relayout.
 
     Args:
         layer_caches: the sender's caches (per-layer list or stacked tensor).
@@ -63,7 +64,7 @@ def pack(
         head_end: one past the last head (1 for MLA).
         layout: layout of the caches.
         out: optional staging buffer to reuse: contiguous, same device, at least
-            ``wire.nbytes(len(block_ids))`` bytes, aligned to the element size.
+            ``fmt.nbytes(len(block_ids))`` bytes, aligned to the element size.
         impl: ``"auto"`` (Triton for CUDA, torch for CPU), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -75,8 +76,8 @@ def pack(
     caches = split_layers(layer_caches, layout, "caches")
     checks.check_heads(caches, head_start, head_end)
     ids = checks.as_block_ids(block_ids, caches.num_blocks, caches.device, "block_ids")
-    wire = _wire_of(caches, head_end - head_start)
-    nbytes = wire.nbytes(ids.numel())
+    fmt = _format_of(caches, head_end - head_start)
+    nbytes = fmt.nbytes(ids.numel())
     out_bytes = checks.staging_bytes(out, nbytes, caches.device, "out")
     use_triton = checks.use_triton(impl, caches.device)
     if nbytes == 0:
@@ -94,7 +95,7 @@ def pack(
 
 def unpack(
     buf: torch.Tensor,
-    wire: WireFormat,
+    fmt: PackedFormat,
     num_remote_blocks: int,
     layer_caches: LayerCaches,
     local_block_ids: BlockIds,
@@ -118,7 +119,7 @@ def unpack(
         local   |L[0] ......... 8 slots|L[1] ......... |       (block_size 8)
                  block local_block_ids[p // 8], slot p % 8
 
-    heads ``[head_offset, head_offset + wire.num_heads)`` of the local block.
+    heads ``[head_offset, head_offset + fmt.num_heads)`` of the local block.
 
     Fused K/V caches (single-plane views, :mod:`kvbridge.kernels.caches`) take
     only buffers packed from fused caches of their block size, and only whole
@@ -127,45 +128,45 @@ def unpack(
 
     Args:
         buf: the packed bytes (``uint8`` or the cache dtype), contiguous, same device.
-        wire: how the sender laid out ``buf``.
+        fmt: how the sender laid out ``buf``.
         num_remote_blocks: blocks in ``buf``.
         layer_caches: the receiver's caches (per-layer list or stacked tensor).
         local_block_ids: destination blocks indexed by ``p // local_block_size``.
         local_layout: layout of ``layer_caches``.
         head_offset: first local head written.
         num_tokens: tokens to write (the rest of the last block is skipped);
-            default all ``num_remote_blocks * wire.block_size - src_token_offset``.
+            default all ``num_remote_blocks * fmt.block_size - src_token_offset``.
         token_offset: position of the first written token within the local blocks.
         src_token_offset: tokens at the start of the buffer to skip (e.g. a read
             that starts inside the sender's first block).
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
-        KernelInputError: mismatched wire/caches, bad ranges, ids or buffer, or a
+        KernelInputError: a ``fmt`` that does not fit the caches, bad ranges, ids or buffer, or a
             conversion or partial block asked of fused K/V caches.
     """
     caches = split_layers(layer_caches, local_layout, "caches")
-    checks.check_wire(wire, caches, head_offset)
+    checks.check_format(fmt, caches, head_offset)
     if num_remote_blocks < 0:
         raise KernelInputError(f"num_remote_blocks must be >= 0, got {num_remote_blocks}")
-    if not 0 <= src_token_offset <= num_remote_blocks * wire.block_size:
+    if not 0 <= src_token_offset <= num_remote_blocks * fmt.block_size:
         raise KernelInputError(
             f"src_token_offset {src_token_offset} outside [0, "
-            f"{num_remote_blocks * wire.block_size}] for {num_remote_blocks} remote blocks of "
-            f"{wire.block_size} tokens"
+            f"{num_remote_blocks * fmt.block_size}] for {num_remote_blocks} remote blocks of "
+            f"{fmt.block_size} tokens"
         )
-    max_tokens = num_remote_blocks * wire.block_size - src_token_offset
+    max_tokens = num_remote_blocks * fmt.block_size - src_token_offset
     if num_tokens is None:
         num_tokens = max_tokens
     if not 0 <= num_tokens <= max_tokens:
         raise KernelInputError(
             f"num_tokens {num_tokens} outside [0, {max_tokens}] for {num_remote_blocks} "
-            f"remote blocks of {wire.block_size} tokens from src_token_offset "
+            f"remote blocks of {fmt.block_size} tokens from src_token_offset "
             f"{src_token_offset}"
         )
     if token_offset < 0:
         raise KernelInputError(f"token_offset must be >= 0, got {token_offset}")
-    checks.check_fused(wire, caches, num_tokens, token_offset, src_token_offset)
+    checks.check_fused(fmt, caches, num_tokens, token_offset, src_token_offset)
     ids = checks.as_block_ids(local_block_ids, caches.num_blocks, caches.device, "local_block_ids")
     first_block = token_offset // caches.block_size
     end_block = -(-(token_offset + num_tokens) // caches.block_size)
@@ -176,14 +177,14 @@ def unpack(
         )
     if num_tokens:
         checks.check_unique(ids[first_block:end_block], "local_block_ids")
-    buf_bytes = checks.received_bytes(buf, caches, wire.nbytes(num_remote_blocks))
+    buf_bytes = checks.received_bytes(buf, caches, fmt.nbytes(num_remote_blocks))
     use_triton = checks.use_triton(impl, caches.device)
     if num_tokens == 0:
         return
     buf_elems = checks.as_elements(buf_bytes, caches.elem_nbytes, "buf")
     words, (buf_words,) = widen(caches, [buf_elems])
     args = (
-        buf_words, wire, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset,
+        buf_words, fmt, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset,
         src_token_offset,
     )
     if use_triton:
@@ -272,8 +273,8 @@ def on_device(tensor: torch.Tensor) -> Iterator[None]:
         torch.cuda.current_stream().synchronize()
 
 
-def _wire_of(caches: CacheSet, num_heads: int) -> WireFormat:
-    return WireFormat(
+def _format_of(caches: CacheSet, num_heads: int) -> PackedFormat:
+    return PackedFormat(
         layout=caches.layout,
         block_size=caches.block_size,
         num_heads=num_heads,

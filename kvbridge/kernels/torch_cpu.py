@@ -6,9 +6,9 @@ byte once: it computes, once per call, the word offset of every contiguous run
 as long as both sides allow: a whole block payload when layouts agree, a head
 row of ``head_dim`` elements when one side is HND and the other NHD::
 
-    wire   [kv][i][ r0 | r1 | r2 | ... ]        r = head rows in wire order
+    packed [kv][i][ r0 | r1 | r2 | ... ]       r = head rows in packed order
     cache  offset(kv, i, r) = kv*s_kv + block(i, r)*s_block + slot*s_tok + head*s_head
-    run    m consecutive wire rows whose cache offsets are also consecutive
+    run    m consecutive packed rows whose cache offsets are also consecutive
 
 The cache side is addressed through ``as_strided(layer, (M, run), (1, 1))``: row
 ``o`` of that view starts at word offset ``o``, so a row index is an offset.
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvbridge.kernels.caches import CacheSet
-from kvbridge.kernels.wire import WireFormat
+from kvbridge.kernels.packed_format import PackedFormat
 from kvbridge.topology import KVLayout
 
 __all__ = ["copy_blocks", "pack", "unpack"]
@@ -101,7 +101,7 @@ def pack(
 
 def unpack(
     buf: torch.Tensor,
-    wire: WireFormat,
+    fmt: PackedFormat,
     num_remote_blocks: int,
     caches: CacheSet,
     local_block_ids: torch.Tensor,
@@ -110,7 +110,7 @@ def unpack(
     token_offset: int,
     src_token_offset: int = 0,
 ) -> None:
-    """Scatter ``buf`` (words, wire layout) into the local blocks; see ``launch.unpack``.
+    """Scatter ``buf`` (words, packed layout) into the local blocks; see ``launch.unpack``.
 
     Buffer tokens ``[src_token_offset, src_token_offset + num_tokens)`` are
     written. Remote blocks wholly inside that range go in one scatter per layer;
@@ -121,23 +121,23 @@ def unpack(
                     [=========================)     written tokens
                  first  ^ full: b1, b2 ^  last (partial)
     """
-    block_size = wire.block_size
+    block_size = fmt.block_size
     start, end = src_token_offset, src_token_offset + num_tokens
     first, last = start // block_size, (end - 1) // block_size
     full_lo, full_hi = -(-start // block_size), end // block_size  # wholly written blocks
     partial = sorted({first, last} - set(range(full_lo, full_hi)))
     row_words = caches.row_words
-    wire_rows = buf.view(caches.num_layers, caches.num_kv, num_remote_blocks, -1, row_words)
-    token, _ = _wire_rows(_heads_major(wire), block_size, wire.num_heads)
+    buf_rows = buf.view(caches.num_layers, caches.num_kv, num_remote_blocks, -1, row_words)
+    token, _ = _packed_rows(_heads_major(fmt), block_size, fmt.num_heads)
     masks = {
         b: (b * block_size + token >= start) & (b * block_size + token < end) for b in partial
     }
     plans: dict[tuple[int, ...], tuple[_Rows | None, list[tuple[int, _Rows]]]] = {}
     jobs: list[tuple[_Rows, torch.Tensor, torch.Tensor]] = []
-    for layer, src in zip(caches.layers, wire_rows, strict=True):
+    for layer, src in zip(caches.layers, buf_rows, strict=True):
         if layer.stride() not in plans:
             offsets = _landing_offsets(
-                layer, caches, wire, local_block_ids.cpu(), head_offset, first, last + 1,
+                layer, caches, fmt, local_block_ids.cpu(), head_offset, first, last + 1,
                 token_offset - start,
             )
             full = None
@@ -214,22 +214,22 @@ def _copy_plan(
 def _landing_offsets(
     layer: torch.Tensor,
     caches: CacheSet,
-    wire: WireFormat,
+    fmt: PackedFormat,
     local_block_ids: torch.Tensor,
     head_offset: int,
     first_block: int,
     end_block: int,
     shift: int,
 ) -> torch.Tensor:
-    """``[num_kv, end_block - first_block, rows]`` word offsets where each wire head row lands.
+    """``[num_kv, end_block - first_block, rows]`` word offsets where each packed head row lands.
 
     Buffer token ``k`` of remote block ``b`` (``k = b * block_size + row's token``)
     lands at local position ``shift + k``. Rows outside the written tokens get a
     clamped (valid but unused) offset.
     """
-    token, head = _wire_rows(_heads_major(wire), wire.block_size, wire.num_heads)
+    token, head = _packed_rows(_heads_major(fmt), fmt.block_size, fmt.num_heads)
     blocks = torch.arange(first_block, end_block).view(-1, 1)
-    position = shift + blocks * wire.block_size + token
+    position = shift + blocks * fmt.block_size + token
     local_index = (position // caches.block_size).clamp_(0, local_block_ids.numel() - 1)
     s_kv, s_block = layer.stride(0), layer.stride(1)
     within = (
@@ -282,8 +282,8 @@ def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _heads_major(wire: WireFormat) -> bool:
-    return wire.layout == KVLayout.HND and not wire.is_mla
+def _heads_major(fmt: PackedFormat) -> bool:
+    return fmt.layout == KVLayout.HND and not fmt.is_mla
 
 
 @lru_cache(maxsize=64)
@@ -294,10 +294,10 @@ def _grid_offsets(size_a: int, size_b: int, stride_a: int, stride_b: int) -> tor
 
 
 @lru_cache(maxsize=64)
-def _wire_rows(
+def _packed_rows(
     heads_major: bool, block_size: int, num_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, head) of each head row of one wire payload, in wire order."""
+    """(token, head) of each head row of one packed payload, in packed order."""
     rows = torch.arange(block_size * num_heads)
     if heads_major:
         return rows % block_size, rows // block_size

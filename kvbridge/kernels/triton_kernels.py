@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kvbridge.kernels.caches import CacheSet
-from kvbridge.kernels.wire import WireFormat
+from kvbridge.kernels.packed_format import PackedFormat
 from kvbridge.topology import KVLayout
 
 __all__ = ["copy_blocks", "pack", "unpack"]
@@ -69,7 +69,7 @@ def _unpack_kernel(  # type: ignore[no-untyped-def]
     num_remote_blocks, num_tokens, token_offset, src_token_offset, first_block,
     remote_block_size, local_block_size,
     num_heads, stride_kv, stride_block, stride_token, stride_head, head_offset,
-    NUM_KV: tl.constexpr, WIRE_HEADS_MAJOR: tl.constexpr, ROW_WORDS: tl.constexpr,
+    NUM_KV: tl.constexpr, PACKED_HEADS_MAJOR: tl.constexpr, ROW_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0) + first_block
@@ -79,7 +79,7 @@ def _unpack_kernel(  # type: ignore[no-untyped-def]
     rows = tl.program_id(2) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     words = tl.arange(0, BLOCK_WORDS)
     num_rows = remote_block_size * num_heads
-    if WIRE_HEADS_MAJOR:
+    if PACKED_HEADS_MAJOR:
         head = rows // remote_block_size
         token = rows % remote_block_size
     else:
@@ -163,7 +163,7 @@ def pack(
 
 def unpack(
     buf: torch.Tensor,
-    wire: WireFormat,
+    fmt: PackedFormat,
     num_remote_blocks: int,
     caches: CacheSet,
     local_block_ids: torch.Tensor,
@@ -172,24 +172,24 @@ def unpack(
     token_offset: int,
     src_token_offset: int = 0,
 ) -> None:
-    """Scatter ``buf`` (words, wire layout) into the local blocks; see ``launch.unpack``."""
-    rows_per_block = wire.block_size * wire.num_heads
+    """Scatter ``buf`` (words, packed layout) into the local blocks; see ``launch.unpack``."""
+    rows_per_block = fmt.block_size * fmt.num_heads
     per_layer = buf.view(caches.num_layers, -1)
     tiles = _tiles(rows_per_block, caches.row_words)
     # only remote blocks holding at least one written token get programs
-    first_block = src_token_offset // wire.block_size
-    num_used = -(-(src_token_offset + num_tokens) // wire.block_size) - first_block
+    first_block = src_token_offset // fmt.block_size
+    num_used = -(-(src_token_offset + num_tokens) // fmt.block_size) - first_block
     for first, layers in _layer_groups(caches.layers):
         layer = layers[0]
         grid = (num_used, len(layers) * caches.num_kv, tiles[0])
         _unpack_kernel[grid](
             per_layer[first], layer, _layer_offsets(layers), local_block_ids,
             num_remote_blocks, num_tokens, token_offset, src_token_offset, first_block,
-            wire.block_size, caches.block_size,
-            wire.num_heads, layer.stride(0), layer.stride(1),
+            fmt.block_size, caches.block_size,
+            fmt.num_heads, layer.stride(0), layer.stride(1),
             layer.stride(caches.token_dim), layer.stride(caches.head_dim_index), head_offset,
             NUM_KV=caches.num_kv,
-            WIRE_HEADS_MAJOR=wire.layout == KVLayout.HND and not wire.is_mla,
+            PACKED_HEADS_MAJOR=fmt.layout == KVLayout.HND and not fmt.is_mla,
             ROW_WORDS=caches.row_words, BLOCK_ROWS=tiles[1], BLOCK_WORDS=tiles[2],
             num_warps=_NUM_WARPS,
         )  # fmt: skip

@@ -15,13 +15,13 @@ Example (P rank 0 serving, D rank 0 reading)::
 
     p = TransferAgent("prefill", p_topo, 0, 0, compat, port=5600)
     p.register_kv_caches(p_caches); p.start()
-    grant = p.issue_grant("req-1", block_ids=[3, 7], num_expected_readers=1)
+    grant = p.issue_grant("req-1", block_ids=[3, 7], num_expected_readers=1).grant
 
     d = TransferAgent("decode", d_topo, 0, 0, compat)
     d.register_kv_caches(d_caches); d.start()
     d.start_read("req-1", engine_id="prefill", host="10.0.0.1", port=5600,
                  remote_block_ids=[3, 7], local_block_ids=[0, 1],
-                 grant=grant.token, num_tokens=20)
+                 grant=grant, num_tokens=20)
     ...
     sending, recving = p.get_finished(), d.get_finished()   # each: (sending, recving)
     d.get_failed_block_ids()                                # {} when all went well
@@ -64,10 +64,10 @@ from kvbridge.transfer.protocol.grant_board import GrantBoard, board_supported
 from kvbridge.transfer.protocol.handshake import Identity
 from kvbridge.transfer.protocol.host import ProbeCell, allowed, host_memory
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.base import ReaderContext
 from kvbridge.transfer.reading.copier import Copier
 from kvbridge.transfer.reading.jobs import ReadJob, ReadStats, checked_ports
 from kvbridge.transfer.reading.reads import Reads
-from kvbridge.transfer.reading.strategy import ReaderContext
 from kvbridge.transfer.serving.context import ServerContext, grant_issued
 from kvbridge.transfer.serving.grants import Grant, GrantTable
 from kvbridge.transfer.serving.session import serve_connection
@@ -363,7 +363,7 @@ class TransferAgent:
         block_ids: Sequence[int],
         num_expected_readers: int | None,
         lease_s: float | None = None,
-        token: str | None = None,
+        grant: str | None = None,
         prompt_digest: bytes | None = None,
     ) -> Grant:
         """Hold ``block_ids`` for readers of ``request_id``; see ``GrantTable.issue``.
@@ -371,27 +371,27 @@ class TransferAgent:
         Args:
             num_expected_readers: readers that must report; None to let the first
                 reader's handshake decide (``topology.num_expected_readers``).
-            token: a token chosen by the engine and shared by all its ranks (readers
-                send one token to every rank); default: the table's own random one.
-                It must be unguessable (e.g. ``secrets.token_urlsafe(16)``). The
-                table keeps it as the grant's only token.
+            grant: the grant's string, chosen by the engine and shared by all its
+                ranks (readers send one string to every rank); default: the
+                table's own random one. It must be unguessable (e.g.
+                ``secrets.token_urlsafe(16)``).
             prompt_digest: ``kvbridge.transfer.prompt_digest`` of the prompt whose KV
                 the blocks hold; reads naming another prompt are then refused
                 (``prompt_mismatch``). None leaves the grant unbound.
 
         Raises:
-            ConfigError: as ``GrantTable.issue`` (e.g. ``token`` shorter than 16 chars).
+            ConfigError: as ``GrantTable.issue`` (e.g. ``grant`` shorter than 16 chars).
             DuplicateGrantError: as ``GrantTable.issue``.
         """
-        grant = self.grants.issue(
+        issued = self.grants.issue(
             request_id, block_ids, num_expected_readers, lease_s, prompt_digest=prompt_digest,
-            token=token,
+            grant=grant,
         )
         running = self._running
         if running is not None and not self._closed:  # a read may wait for it: wake it now
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 running.loop.call_soon_threadsafe(_on_grant_issued, running)
-        return grant
+        return issued
 
     # ---------------------------------------------------------------- reading side
     def start_read(
@@ -435,7 +435,7 @@ class TransferAgent:
                 blocks are reported failed.
             remote_block_ids: its blocks for the request, in token order.
             local_block_ids: our blocks, in token order.
-            grant: the grant token the serving engine issued for the request.
+            grant: the grant the serving engine issued for the request.
             num_tokens: tokens to load (> 0).
             first_token: first token to load; tokens before it are left alone.
             prompt_digest: ``kvbridge.transfer.prompt_digest`` of this request's
@@ -494,7 +494,7 @@ class TransferAgent:
             engine_id: the serving engine.
             host: its host.
             port: its base port, or its ranks' ports (as for ``start_read``).
-            grant: the grant token it issued for the request.
+            grant: the grant it issued for the request.
             ok: True for "not needed", False for "gave up".
 
         Raises:
@@ -548,7 +548,7 @@ class TransferAgent:
         """
         sending = {release.request_id for release in self.grants.drain_released()}
         running = self._running
-        recving = running.reads.take_finished() if running is not None else set()
+        recving = running.reads.outcomes.take_finished() if running is not None else set()
         return sending, recving
 
     def wait_finished(self, timeout_s: float) -> bool:
@@ -562,17 +562,17 @@ class TransferAgent:
         running = self._running
         if running is None or self._closed:
             return False
-        return running.reads.wait_finished(timeout_s)
+        return running.reads.outcomes.wait_finished(timeout_s)
 
     def get_failed_block_ids(self) -> dict[str, set[int]]:
         """Return and forget local block ids that could not be loaded, by request."""
         running = self._running
-        return running.reads.take_failed() if running is not None else {}
+        return running.reads.outcomes.take_failed() if running is not None else {}
 
     def get_stats(self) -> list[ReadStats]:
         """Return and forget per-read statistics of reads that ended."""
         running = self._running
-        return running.reads.take_stats() if running is not None else []
+        return running.reads.outcomes.take_stats() if running is not None else []
 
 
 def _on_grant_issued(running: _Running) -> None:

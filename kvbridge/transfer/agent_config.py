@@ -60,7 +60,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         expire_every_s: how often the server expires grants while it holds any
             (holding none, it sleeps until one is issued).
         grant_wait_s: how long the server waits for a grant it has not issued yet
-            (the engine returns the token to D before its workers issue it), before
+            (the engine returns the grant to D before its workers issue it), before
             rejecting a read or dropping a done report naming it.
         direct_reads: read straight from the server's blocks into ours when both
             caches store them alike (no staging, pack or unpack); False forces

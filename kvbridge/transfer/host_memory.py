@@ -12,7 +12,7 @@ Where that is not possible (not Linux, not a CPU tensor, a small tensor) this is
 With ``shared=True`` the memory is a ``memfd`` mapped shared, so that a reader on
 this host can map it too, read-only, and copy blocks out of it with a plain
 ``memcpy`` instead of ``process_vm_readv``, which pins every page it copies
-(``transfer/reading/copier.py``), which makes small reads faster. It is off by
+(``transfer/reading/cache_maps.py``), which makes small reads faster. It is off by
 default: where ``shmem_enabled`` gives shared memory no huge pages (``never``,
 the common default), large reads out of it are slower, with rare long stalls,
 with either copy (figures: docs/benchmarks.md, "Figures behind the code").

@@ -47,7 +47,7 @@ from kvbridge.transfer.errors import (
 from kvbridge.transfer.protocol import security, wire
 from kvbridge.transfer.protocol.handshake import Identity, reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.protocol.wire import channel_of
-from kvbridge.transfer.serving.grants import TOKEN_LEN
+from kvbridge.transfer.serving.grants import GRANT_LEN
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
 from tests.integration.reads import issue, read, wait_read, wait_released
@@ -123,7 +123,7 @@ def _child(conn: Any) -> None:
                 if cmd == "issue":
                     request_id, block_ids, num_readers, lease_s, token = args
                     result = agent.issue_grant(request_id, block_ids, num_readers,
-                                               lease_s=lease_s, token=token).token
+                                               lease_s=lease_s, grant=token).grant
                 elif cmd == "read":
                     agent.start_read(**args)
                 elif cmd == "poll":
@@ -276,9 +276,9 @@ class CaseMaker:
         if choice == 0 and t.dead_tokens:
             return rng.choice(t.dead_tokens)
         if choice == 1:  # forged: the right shape, 128 random bits
-            return secrets.token_urlsafe(16)[:TOKEN_LEN]
+            return secrets.token_urlsafe(16)[:GRANT_LEN]
         if choice == 2:  # a guess: a live token with one character changed
-            token = rng.choice(t.live_grants)[0] if t.live_grants else "a" * TOKEN_LEN
+            token = rng.choice(t.live_grants)[0] if t.live_grants else "a" * GRANT_LEN
             i = rng.randrange(len(token))
             return token[:i] + ("A" if token[i] != "A" else "B") + token[i + 1 :]
         if choice == 3:
@@ -460,10 +460,10 @@ class CaseMaker:
 
 _SAMPLES: list[msgspec.Struct] = [
     wire.Hello("d", 0, 1, "ab" * 32, b"x" * 32, b"p" * 32),
-    wire.ReadRequest(7, "t" * TOKEN_LEN, [1, 5], 0, 4, 0, 2, 16),
+    wire.ReadRequest(7, "t" * GRANT_LEN, [1, 5], 0, 4, 0, 2, 16),
     wire.Credit(7, 2),
-    wire.ReadDone("t" * TOKEN_LEN, "d:0", False),
-    wire.RenewLease("t" * TOKEN_LEN, 30.0, 7),
+    wire.ReadDone("t" * GRANT_LEN, "d:0", False),
+    wire.RenewLease("t" * GRANT_LEN, 30.0, 7),
     wire.Ping(1),
     wire.Bye("x"),
     wire.TopologyInfo(1, 1, 16, 8, False, "NHD", 4),  # not a message at all
@@ -474,7 +474,7 @@ _SERVER_ONLY: list[wire.Message] = [
     wire.Reject(R.AUTH, "no", 0),
     wire.DataHeader(3, 1, 1 << 20),  # "here come the data" from the reader's side
     wire.Pong(1),
-    wire.LeaseRenewed("t" * TOKEN_LEN, 1.0, 7),
+    wire.LeaseRenewed("t" * GRANT_LEN, 1.0, 7),
     wire.AgentMetadata("x", 1, 1, 0, 0, 16, "NHD", 8, 1, 1, [64], 1, 1, 1, "bf16", 2, False),
 ]
 

@@ -27,7 +27,7 @@ from kvbridge.transfer.errors import RejectedError, TransferError
 from kvbridge.transfer.protocol import security, wire
 from kvbridge.transfer.protocol.handshake import Identity, reader_handshake, recv_msg, send_msg
 from kvbridge.transfer.protocol.wire import channel_of
-from kvbridge.transfer.serving.grants import TOKEN_LEN
+from kvbridge.transfer.serving.grants import GRANT_LEN
 from kvbridge.transfer.ucx.worker import UcxWorker
 from tests.faults.fuzz_client import CODEC, MAX_FRAME, FaultHost, counters, good_read, hosts
 from tests.integration.reads import issue, read, wait_read, wait_released
@@ -130,7 +130,7 @@ CASES = {
     "no_secret": (Attempt(secret=None), R.AUTH),
     "wrong_version": (Attempt(version=security.PROTOCOL_VERSION + 1), R.VERSION),
     "wrong_compat": (Attempt(compat="f" * 64), R.COMPAT),
-    "forged_grant": (Attempt(grant=secrets.token_urlsafe(16)[:TOKEN_LEN]), R.UNKNOWN_GRANT),
+    "forged_grant": (Attempt(grant=secrets.token_urlsafe(16)[:GRANT_LEN]), R.UNKNOWN_GRANT),
     "expired_grant": (Attempt(grant="<expired>", block_ids=(30,)), R.EXPIRED_GRANT),
     "released_grant": (Attempt(grant="<released>", block_ids=(31,)), R.UNKNOWN_GRANT),
     "other_requests_grant": (Attempt(grant="<other>", block_ids=(12, 13)), R.NOT_GRANTED),

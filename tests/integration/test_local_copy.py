@@ -20,7 +20,7 @@ import torch
 
 from kvbridge.transfer.blocks.ranges import block_offsets, plane_ranges
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.reading.copier import CopySource
+from kvbridge.transfer.reading.copy_source import CopySource
 from tests.integration.raw_peer import CODEC, MAX_FRAME, SECRET, connect, me
 from tests.integration.reads import issue, read, wait_read, wait_released
 from tests.ports import free_port_base

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbridge.kernels import Impl, pack, unpack, wire_format
+from kvbridge.kernels import Impl, pack, packed_format, unpack
 from tests.kernels import reference
 from tests.kernels.helpers import CacheSpec, clone, random_caches, same_bytes, shuffled_ids
 
@@ -34,18 +34,18 @@ def check_transfer(
     expected_buf = reference.pack(src, ids, head_start, head_end, remote.layout)
     assert torch.equal(buf, expected_buf)
 
-    wire = wire_format(src, remote.layout, head_start, head_end)
+    fmt = packed_format(src, remote.layout, head_start, head_end)
     num_tokens = num_remote_blocks * remote.block_size - drop_tokens
     num_local = -(-(token_offset + num_tokens) // local.block_size)
     local_ids = shuffled_ids(num_local, local.num_blocks, seed + 1, repeats=False)
     dst = random_caches(local, seed + 2)
     expected = clone(dst)
     unpack(
-        buf, wire, num_remote_blocks, dst, local_ids, local.layout, head_offset,
+        buf, fmt, num_remote_blocks, dst, local_ids, local.layout, head_offset,
         num_tokens, token_offset, impl=impl,
     )  # fmt: skip
     reference.unpack(
-        expected_buf, wire, num_remote_blocks, expected, local_ids, local.layout,
+        expected_buf, fmt, num_remote_blocks, expected, local_ids, local.layout,
         head_offset, num_tokens, token_offset,
     )  # fmt: skip
     assert same_bytes(dst, expected)

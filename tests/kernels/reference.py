@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvbridge.kernels import WireFormat
+from kvbridge.kernels import PackedFormat
 from kvbridge.topology import KVLayout
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -68,7 +68,7 @@ def pack(
 
 def unpack(
     buf: torch.Tensor,
-    wire: WireFormat,
+    fmt: PackedFormat,
     num_remote_blocks: int,
     caches: Sequence[torch.Tensor] | torch.Tensor,
     local_block_ids: Sequence[int],
@@ -82,28 +82,28 @@ def unpack(
     slot (offset + k) % bs."""
     layers = as_layers(caches)
     if num_tokens is None:
-        num_tokens = num_remote_blocks * wire.block_size - src_token_offset
-    elem = _INT[wire.elem_nbytes]
+        num_tokens = num_remote_blocks * fmt.block_size - src_token_offset
+    elem = _INT[fmt.elem_nbytes]
     payload_shape = (
-        (wire.block_size, wire.head_dim)
-        if wire.is_mla
-        else (wire.block_size, wire.num_heads, wire.head_dim)
-        if wire.layout == KVLayout.NHD
-        else (wire.num_heads, wire.block_size, wire.head_dim)
+        (fmt.block_size, fmt.head_dim)
+        if fmt.is_mla
+        else (fmt.block_size, fmt.num_heads, fmt.head_dim)
+        if fmt.layout == KVLayout.NHD
+        else (fmt.num_heads, fmt.block_size, fmt.head_dim)
     )
-    payloads = buf.reshape(-1).view(torch.uint8)[: wire.nbytes(num_remote_blocks)]
+    payloads = buf.reshape(-1).view(torch.uint8)[: fmt.nbytes(num_remote_blocks)]
     payloads = payloads.view(elem).view(
-        wire.num_layers, wire.num_kv, num_remote_blocks, *payload_shape
+        fmt.num_layers, fmt.num_kv, num_remote_blocks, *payload_shape
     )
-    local_bs = layers[0].shape[1] if wire.is_mla else _block_size(layers[0], local_layout)
+    local_bs = layers[0].shape[1] if fmt.is_mla else _block_size(layers[0], local_layout)
     for layer_index, layer in enumerate(layers):
         for kv, blocks in enumerate(_kv_blocks(raw(layer))):
             for k in range(num_tokens):
-                remote_block, token = divmod(src_token_offset + k, wire.block_size)
-                source = _token_heads(payloads[layer_index, kv, remote_block], wire.layout, token)
+                remote_block, token = divmod(src_token_offset + k, fmt.block_size)
+                source = _token_heads(payloads[layer_index, kv, remote_block], fmt.layout, token)
                 local_index, slot = divmod(token_offset + k, local_bs)
                 target = _token_heads(blocks[local_block_ids[local_index]], local_layout, slot)
-                target[head_offset : head_offset + wire.num_heads].copy_(source)
+                target[head_offset : head_offset + fmt.num_heads].copy_(source)
 
 
 def copy_blocks(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbridge.bench.kernel_bench import _three_pass
-from kvbridge.kernels import pack, unpack, wire_format
+from kvbridge.kernels import pack, packed_format, unpack
 from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, random_caches
 from tests.kernels.reference import as_layers, raw
@@ -29,7 +29,7 @@ def test_three_pass_matches_unpack(
     d_ids = torch.tensor([3, 0, 5, 1])
     buf = pack(source, p_ids, 0, 3, remote[0])
     ours = random_caches(d_spec, 1)
-    unpack(buf, wire_format(source, remote[0], 0, 3), len(p_ids), ours, d_ids, local[0])
+    unpack(buf, packed_format(source, remote[0], 0, 3), len(p_ids), ours, d_ids, local[0])
 
     # what a direct RDMA write leaves behind: each local block holds `ratio` remote
     # payloads back to back, in the remote layout; then the three passes fix it

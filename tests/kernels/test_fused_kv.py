@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvbridge.kernels import Impl, KernelInputError, WireFormat, copy_blocks, pack, unpack
-from kvbridge.kernels import wire_format as wire_format_of
+from kvbridge.kernels import Impl, KernelInputError, PackedFormat, copy_blocks, pack, unpack
+from kvbridge.kernels import packed_format as packed_format_of
 from kvbridge.topology import KVLayout
 from tests.kernels.helpers import DEVICE, IMPLS
 from tests.kernels.reference import raw
@@ -84,9 +84,9 @@ def test_pack_gathers_whole_head_runs(impl: Impl, spec: Fused) -> None:
     want = torch.cat([raw(layer[0, block, heads[0] : heads[1]]).reshape(-1).view(torch.uint8)
                       for layer in caches for block in ids])
     assert torch.equal(buf, want)
-    wire = wire_format_of(caches, KVLayout.HND, *heads)
-    assert (wire.fused_kv, wire.num_kv, wire.head_dim) == (True, 1, 2 * spec.head_size)
-    assert buf.numel() == wire.nbytes(len(ids))
+    fmt = packed_format_of(caches, KVLayout.HND, *heads)
+    assert (fmt.fused_kv, fmt.num_kv, fmt.head_dim) == (True, 1, 2 * spec.head_size)
+    assert buf.numel() == fmt.nbytes(len(ids))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -98,9 +98,9 @@ def test_unpack_lands_k_and_v_exactly_at_the_head_offset(impl: Impl, spec: Fused
     dst = zero_fused(local_spec)
     remote_ids, local_ids = [3, 9, 0], [4, 1, 8]
     buf = pack(src, remote_ids, 0, spec.num_heads, KVLayout.HND, impl=impl)
-    wire = wire_format_of(src, KVLayout.HND, 0, spec.num_heads)
+    fmt = packed_format_of(src, KVLayout.HND, 0, spec.num_heads)
     offset = spec.num_heads  # a P rank's heads into the second half of D's
-    unpack(buf, wire, len(remote_ids), dst, local_ids, KVLayout.HND, head_offset=offset,
+    unpack(buf, fmt, len(remote_ids), dst, local_ids, KVLayout.HND, head_offset=offset,
            impl=impl)
     heads = slice(offset, offset + spec.num_heads)
     for layer in range(spec.num_layers):
@@ -119,10 +119,10 @@ def test_unpack_skips_whole_blocks_on_both_sides(impl: Impl) -> None:
     src, _, _ = random_fused(spec, seed=3)
     dst = zero_fused(spec)
     buf = pack(src, [5, 6, 7], 0, 2, KVLayout.HND, impl=impl)
-    wire = wire_format_of(src, KVLayout.HND, 0, 2)
+    fmt = packed_format_of(src, KVLayout.HND, 0, 2)
     bs = spec.block_size
     # buffer blocks 1 and 2 only, into local positions from block 1 on (block 0: a local hit)
-    unpack(buf, wire, 3, dst, [0, 9, 4], KVLayout.HND, num_tokens=2 * bs, token_offset=bs,
+    unpack(buf, fmt, 3, dst, [0, 9, 4], KVLayout.HND, num_tokens=2 * bs, token_offset=bs,
            src_token_offset=bs, impl=impl)
     for layer in range(spec.num_layers):
         assert torch.equal(raw(dst[layer][0][[9, 4]]), raw(src[layer][0][[6, 7]]))
@@ -150,7 +150,7 @@ def test_copy_blocks_moves_fused_blocks(impl: Impl) -> None:
 
 
 def refused(
-    impl: Impl, *, local_bs: int = 8, wire: WireFormat | None = None,
+    impl: Impl, *, local_bs: int = 8, fmt: PackedFormat | None = None,
     local_layout: KVLayout = KVLayout.HND, num_tokens: int | None = None, token_offset: int = 0,
     src_token_offset: int = 0,
 ) -> str:
@@ -160,7 +160,7 @@ def refused(
     dst = zero_fused(Fused(num_heads=2, block_size=local_bs))
     buf = pack(src, [1, 2], 0, 2, KVLayout.HND, impl=impl)
     with pytest.raises(KernelInputError) as info:
-        unpack(buf, wire or wire_format_of(src, KVLayout.HND, 0, 2), 2, dst, [0, 3, 5, 6],
+        unpack(buf, fmt or packed_format_of(src, KVLayout.HND, 0, 2), 2, dst, [0, 3, 5, 6],
                local_layout, num_tokens=num_tokens, token_offset=token_offset,
                src_token_offset=src_token_offset, impl=impl)
     assert all(not raw(t).any() for t in dst)
@@ -180,24 +180,24 @@ def test_conversions_and_partial_blocks_are_refused(impl: Impl) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fused_and_plain_buffers_never_mix(impl: Impl) -> None:
-    plain_wire = WireFormat(KVLayout.HND, 8, 2, 8, 2, 2)  # same row length, two planes
-    assert "fused_kv remote False local True" in refused(impl, wire=plain_wire)
+    plain_fmt = PackedFormat(KVLayout.HND, 8, 2, 8, 2, 2)  # same row length, two planes
+    assert "fused_kv remote False local True" in refused(impl, fmt=plain_fmt)
     spec = Fused(num_heads=2)
     src, _, _ = random_fused(spec, seed=7)
     buf = pack(src, [1], 0, 2, KVLayout.HND, impl=impl)
     plain = [torch.zeros(2, 4, 2, 8, 4, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     with pytest.raises(KernelInputError, match="fused_kv remote True local False"):
-        unpack(buf, wire_format_of(src, KVLayout.HND, 0, 2), 1, plain, [0], KVLayout.HND,
+        unpack(buf, packed_format_of(src, KVLayout.HND, 0, 2), 1, plain, [0], KVLayout.HND,
                impl=impl)
 
 
-def test_a_fused_wire_format_is_hnd_and_not_mla() -> None:
-    with pytest.raises(KernelInputError, match="fused K/V wire format is HND and not MLA"):
-        WireFormat(KVLayout.NHD, 8, 2, 8, 2, 2, fused_kv=True)
-    with pytest.raises(KernelInputError, match="fused K/V wire format is HND and not MLA"):
-        WireFormat(KVLayout.HND, 8, 1, 8, 2, 2, is_mla=True, fused_kv=True)
-    wire = WireFormat(KVLayout.HND, 8, 2, 8, 2, 3, fused_kv=True)
-    assert (wire.num_kv, wire.block_nbytes) == (1, 3 * 8 * 2 * 8 * 2)
+def test_a_fused_packed_format_is_hnd_and_not_mla() -> None:
+    with pytest.raises(KernelInputError, match="fused K/V packed format is HND and not MLA"):
+        PackedFormat(KVLayout.NHD, 8, 2, 8, 2, 2, fused_kv=True)
+    with pytest.raises(KernelInputError, match="fused K/V packed format is HND and not MLA"):
+        PackedFormat(KVLayout.HND, 8, 1, 8, 2, 2, is_mla=True, fused_kv=True)
+    fmt = PackedFormat(KVLayout.HND, 8, 2, 8, 2, 3, fused_kv=True)
+    assert (fmt.num_kv, fmt.block_nbytes) == (1, 3 * 8 * 2 * 8 * 2)
 
 
 def test_a_four_dim_cache_in_a_list_says_how_to_pass_it() -> None:

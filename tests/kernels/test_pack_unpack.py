@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge.kernels import Impl, pack, torch_cpu, unpack, wire_format
+from kvbridge.kernels import Impl, pack, packed_format, torch_cpu, unpack
 from kvbridge.topology import KVLayout
 from tests.kernels import reference
 from tests.kernels.checks import check_transfer
@@ -110,11 +110,11 @@ def test_physically_blocks_first_stacked_cache(impl: Impl) -> None:
     caches = storage.to(torch.float16).permute(1, 2, 0, 3, 4, 5)  # [L, 2, nb, bs, H, D]
     buf = pack(caches, [4, 1], 0, heads, NHD, impl=impl)
     assert torch.equal(buf, reference.pack(caches, [4, 1], 0, heads, NHD))
-    wire = wire_format(caches, NHD, 0, heads)
+    fmt = packed_format(caches, NHD, 0, heads)
     dst = torch.zeros_like(caches)
     expected = dst.clone()
-    unpack(buf, wire, 2, dst, [2, 5], NHD, impl=impl)
-    reference.unpack(buf, wire, 2, expected, [2, 5], NHD)
+    unpack(buf, fmt, 2, dst, [2, 5], NHD, impl=impl)
+    reference.unpack(buf, fmt, 2, expected, [2, 5], NHD)
     assert same_bytes(dst, expected)
 
 
@@ -135,9 +135,9 @@ def test_empty_transfers_write_nothing(impl: Impl) -> None:
     caches = random_caches(spec, 4)
     before = clone(caches)
     assert pack(caches, [], 0, 2, HND, impl=impl).numel() == 0
-    wire = wire_format(caches, HND, 0, 2)
+    fmt = packed_format(caches, HND, 0, 2)
     buf = pack(caches, [1], 0, 2, HND, impl=impl)
-    unpack(buf, wire, 1, caches, [5], HND, num_tokens=0, impl=impl)
+    unpack(buf, fmt, 1, caches, [5], HND, num_tokens=0, impl=impl)
     assert same_bytes(caches, before)
 
 

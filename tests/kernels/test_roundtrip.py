@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kvbridge.kernels import Impl, pack, unpack, wire_format
+from kvbridge.kernels import Impl, pack, packed_format, unpack
 from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, random_caches
 from tests.kernels.reference import as_layers, raw
@@ -54,7 +54,8 @@ def test_round_trip(
     buf = pack(source, p_ids, 0, 2, p_layout, impl=impl)
     decode = random_caches(d_spec, 12)
     unpack(
-        buf, wire_format(source, p_layout, 0, 2), len(p_ids), decode, d_ids, d_layout, 3, impl=impl
+        buf, packed_format(source, p_layout, 0, 2), len(p_ids), decode, d_ids, d_layout, 3,
+        impl=impl,
     )
     assert torch.equal(
         tokens(decode, d_spec, d_ids, slice(3, 5)), tokens(source, p_spec, p_ids, slice(0, 2))
@@ -63,7 +64,7 @@ def test_round_trip(
     # D -> P': back through the opposite conversion
     back = pack(decode, d_ids, 3, 5, d_layout, impl=impl)
     restored = random_caches(p_spec, 13)
-    wire = wire_format(decode, d_layout, 3, 5)
-    unpack(back, wire, len(d_ids), restored, p_ids, p_layout, 0, impl=impl)
+    fmt = packed_format(decode, d_layout, 3, 5)
+    unpack(back, fmt, len(d_ids), restored, p_ids, p_layout, 0, impl=impl)
     for got, want in zip(as_layers(restored), as_layers(source), strict=True):
         assert torch.equal(raw(got)[:, p_ids], raw(want)[:, p_ids])

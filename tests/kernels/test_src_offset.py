@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.kernels import Impl, KernelInputError, pack, unpack, wire_format
+from kvbridge.kernels import Impl, KernelInputError, pack, packed_format, unpack
 from kvbridge.topology import KVLayout
 from tests.kernels import reference
 from tests.kernels.helpers import IMPLS, CacheSpec, clone, random_caches, same_bytes, shuffled_ids
@@ -27,14 +27,14 @@ def check(
     src = random_caches(remote, seed)
     ids = shuffled_ids(num_remote_blocks, remote.num_blocks, seed, repeats=False)
     buf = pack(src, ids, 0, remote.num_heads, remote.layout, impl=impl)
-    wire = wire_format(src, remote.layout, 0, remote.num_heads)
+    fmt = packed_format(src, remote.layout, 0, remote.num_heads)
     num_local = -(-(token_offset + num_tokens) // local.block_size)
     local_ids = shuffled_ids(num_local, local.num_blocks, seed + 1, repeats=False)
     dst = random_caches(local, seed + 2)
     expected = clone(dst)
-    unpack(buf, wire, num_remote_blocks, dst, local_ids, local.layout, 0, num_tokens,
+    unpack(buf, fmt, num_remote_blocks, dst, local_ids, local.layout, 0, num_tokens,
            token_offset, src_token_offset=src_token_offset, impl=impl)
-    reference.unpack(buf, wire, num_remote_blocks, expected, local_ids, local.layout, 0,
+    reference.unpack(buf, fmt, num_remote_blocks, expected, local_ids, local.layout, 0,
                      num_tokens, token_offset, src_token_offset)
     assert same_bytes(dst, expected)
 
@@ -92,17 +92,17 @@ def test_window_past_the_buffer_is_rejected() -> None:
     spec = CacheSpec(NHD, 8, num_heads=2)
     src = random_caches(spec, 0)
     buf = pack(src, [1, 2], 0, 2, NHD)
-    wire = wire_format(src, NHD, 0, 2)
+    fmt = packed_format(src, NHD, 0, 2)
     dst = random_caches(spec, 1)
     before = clone(dst)
     with pytest.raises(KernelInputError, match="src_token_offset 17 outside"):
-        unpack(buf, wire, 2, dst, [0, 1, 2], NHD, src_token_offset=17)
+        unpack(buf, fmt, 2, dst, [0, 1, 2], NHD, src_token_offset=17)
     with pytest.raises(KernelInputError, match="num_tokens 12 outside"):
-        unpack(buf, wire, 2, dst, [0, 1, 2], NHD, num_tokens=12, src_token_offset=5)
+        unpack(buf, fmt, 2, dst, [0, 1, 2], NHD, num_tokens=12, src_token_offset=5)
     assert same_bytes(dst, before)
     # by default everything after the skipped tokens is written
-    unpack(buf, wire, 2, dst, [0, 1], NHD, src_token_offset=5)
+    unpack(buf, fmt, 2, dst, [0, 1], NHD, src_token_offset=5)
     expected = clone(before)
-    reference.unpack(buf, wire, 2, expected, [0, 1], NHD, 0, 11, 0, 5)
+    reference.unpack(buf, fmt, 2, expected, [0, 1], NHD, 0, 11, 0, 5)
     assert same_bytes(dst, expected)
     assert not torch.equal(dst[0], before[0])

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvbridge.errors import ConfigError
-from kvbridge.kernels import KernelInputError, WireFormat, copy_blocks, pack, unpack, wire_format
+from kvbridge.kernels import (
+    KernelInputError,
+    PackedFormat,
+    copy_blocks,
+    pack,
+    packed_format,
+    unpack,
+)
 from kvbridge.topology import KVLayout
 from tests.kernels.helpers import CacheSpec, clone, random_caches, same_bytes
 
@@ -22,9 +29,9 @@ def caches() -> list[torch.Tensor]:
     return result
 
 
-def packed() -> tuple[torch.Tensor, WireFormat]:
+def packed() -> tuple[torch.Tensor, PackedFormat]:
     src = caches()
-    return pack(src, [1, 2], 0, 4, NHD), wire_format(src, NHD, 0, 4)
+    return pack(src, [1, 2], 0, 4, NHD), packed_format(src, NHD, 0, 4)
 
 
 def test_error_type_is_a_value_error() -> None:
@@ -67,20 +74,20 @@ def test_pack_rejects(call: Callable[[list[torch.Tensor]], object], match: str) 
 
 
 def _unpack(**overrides: object) -> None:
-    buf, wire = packed()
+    buf, fmt = packed()
     args: dict[str, object] = {
-        "buf": buf, "wire": wire, "num_remote_blocks": 2, "layer_caches": overrides.pop("dst"),
+        "buf": buf, "fmt": fmt, "num_remote_blocks": 2, "layer_caches": overrides.pop("dst"),
         "local_block_ids": [0, 1], "local_layout": NHD, "head_offset": 0,
     }  # fmt: skip
     args.update(overrides)
     unpack(**args)  # type: ignore[arg-type]
 
 
-def _wire(**changes: object) -> WireFormat:
+def _wire(**changes: object) -> PackedFormat:
     base = {"layout": NHD, "block_size": 4, "num_heads": 4, "head_dim": 8, "elem_nbytes": 2,
             "num_layers": 2}  # fmt: skip
     base.update(changes)
-    return WireFormat(**base)  # type: ignore[arg-type]
+    return PackedFormat(**base)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -89,12 +96,12 @@ def _wire(**changes: object) -> WireFormat:
         ({"local_block_ids": [0, 10]}, r"\[0, 10\].*10 blocks"),
         ({"local_block_ids": [0]}, "need 2 local block ids"),
         ({"local_block_ids": [3, 3]}, "repeat a destination block"),
-        ({"wire": _wire(head_dim=16)}, "head_dim remote 16 local 8"),
-        ({"wire": _wire(elem_nbytes=4)}, "elem_nbytes remote 4 local 2"),
-        ({"wire": _wire(num_layers=3)}, "num_layers remote 3 local 2"),
-        ({"wire": _wire(block_size=6)}, "remote block size 6 and local block size 4"),
-        ({"wire": _wire(block_size=3)}, "neither divides"),
-        ({"wire": _wire(num_heads=2), "head_offset": 3}, "2 remote heads at head_offset 3"),
+        ({"fmt": _wire(head_dim=16)}, "head_dim remote 16 local 8"),
+        ({"fmt": _wire(elem_nbytes=4)}, "elem_nbytes remote 4 local 2"),
+        ({"fmt": _wire(num_layers=3)}, "num_layers remote 3 local 2"),
+        ({"fmt": _wire(block_size=6)}, "remote block size 6 and local block size 4"),
+        ({"fmt": _wire(block_size=3)}, "neither divides"),
+        ({"fmt": _wire(num_heads=2), "head_offset": 3}, "2 remote heads at head_offset 3"),
         ({"head_offset": -1}, "head_offset -1"),
         ({"num_tokens": 9}, r"num_tokens 9 outside \[0, 8\]"),
         ({"token_offset": -2}, "token_offset"),
@@ -104,7 +111,7 @@ def _wire(**changes: object) -> WireFormat:
         ),
         ({"buf": torch.zeros(64, dtype=torch.float32)}, "neither uint8 nor torch.float16"),
         ({"buf": torch.zeros(512, dtype=torch.uint8)[::2]}, "contiguous"),
-        ({"wire": "NHD"}, "WireFormat"),
+        ({"fmt": "NHD"}, "PackedFormat"),
     ],
 )
 def test_unpack_rejects_and_writes_nothing(overrides: dict[str, object], match: str) -> None:
@@ -116,9 +123,9 @@ def test_unpack_rejects_and_writes_nothing(overrides: dict[str, object], match: 
 
 
 def test_unpack_rejects_mla_wire_for_kv_caches() -> None:
-    wire = WireFormat(NHD, 4, 1, 8, 2, 2, is_mla=True)
+    fmt = PackedFormat(NHD, 4, 1, 8, 2, 2, is_mla=True)
     with pytest.raises(KernelInputError, match="is_mla remote True local False"):
-        unpack(torch.zeros(1024, dtype=torch.uint8), wire, 1, caches(), [0], NHD)
+        unpack(torch.zeros(1024, dtype=torch.uint8), fmt, 1, caches(), [0], NHD)
 
 
 @pytest.mark.parametrize(
@@ -155,15 +162,15 @@ def test_forced_triton_without_interpreter_or_gpu(monkeypatch: pytest.MonkeyPatc
     "changes",
     [{"block_size": 0}, {"num_heads": -1}, {"elem_nbytes": 3}, {"is_mla": True}],
 )
-def test_wire_format_rejects(changes: dict[str, object]) -> None:
+def test_packed_format_rejects(changes: dict[str, object]) -> None:
     with pytest.raises(KernelInputError):
         _wire(**changes)
 
 
-def test_wire_format_sizes() -> None:
-    wire = _wire()
-    assert wire.payload_nbytes == 4 * 4 * 8 * 2
-    assert wire.block_nbytes == 2 * 2 * wire.payload_nbytes
-    assert wire.nbytes(3) == 3 * wire.block_nbytes
+def test_packed_format_sizes() -> None:
+    fmt = _wire()
+    assert fmt.payload_nbytes == 4 * 4 * 8 * 2
+    assert fmt.block_nbytes == 2 * 2 * fmt.payload_nbytes
+    assert fmt.nbytes(3) == 3 * fmt.block_nbytes
     with pytest.raises(KernelInputError):
-        wire.nbytes(-1)
+        fmt.nbytes(-1)

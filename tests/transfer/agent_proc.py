@@ -188,8 +188,8 @@ def _child(conn: Connection) -> None:
         if cmd == "issue":  # (request_id, block_ids, num_readers, lease_s, token[, digest])
             request_id, block_ids, num_readers, lease_s, token, *digest = args
             return agent.issue_grant(request_id, block_ids, num_readers, lease_s=lease_s,
-                                     token=token, prompt_digest=digest[0] if digest else None,
-                                     ).token
+                                     grant=token, prompt_digest=digest[0] if digest else None,
+                                     ).grant
         if cmd == "read":
             agent.start_read(**args)
             return None

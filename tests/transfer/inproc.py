@@ -31,11 +31,11 @@ from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import Identity, recv_msg, send_msg, serve_handshake
 from kvbridge.transfer.protocol.host import ProbeCell
 from kvbridge.transfer.protocol.security import CompatInfo, compat_hash
+from kvbridge.transfer.reading.base import ReaderContext
 from kvbridge.transfer.reading.copier import Copier
 from kvbridge.transfer.reading.jobs import ReadJob, ReadStats
 from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.reading.reads import Reads
-from kvbridge.transfer.reading.strategy import ReaderContext
 from kvbridge.transfer.serving.context import ServerContext
 from kvbridge.transfer.serving.grants import GrantTable
 from kvbridge.transfer.serving.session import serve_connection
@@ -112,9 +112,9 @@ class Reader:
         """Wait for the read's outcome (``ok`` and ``error`` in the stats)."""
 
         def ended() -> bool:
-            self.reads.take_finished()
-            self.failed.update(self.reads.take_failed())
-            self.outcomes.update((s.request_id, s) for s in self.reads.take_stats())
+            self.reads.outcomes.take_finished()
+            self.failed.update(self.reads.outcomes.take_failed())
+            self.outcomes.update((s.request_id, s) for s in self.reads.outcomes.take_stats())
             return request_id in self.outcomes
 
         await wait_until_async(ended, timeout_s, message=f"read {request_id} to end")

@@ -33,10 +33,10 @@ from kvbridge.transfer.protocol.grant_board import (
     WINDOW,
     GrantBoard,
     find_grant,
+    grant_digest,
     home_slot,
     memory_fence,
     slot_seq,
-    token_digest,
 )
 from kvbridge.transfer.protocol.host import map_shared
 
@@ -98,7 +98,7 @@ def _hammer(mode: str, libatomic: bool, enough: Callable[[int, int, int], bool],
         assert board is not None
         fence = memory_fence()
         assert fence is not None
-        digest = token_digest(TOKEN)
+        digest = grant_digest(TOKEN)
         first = home_slot(digest, NUM_SLOTS) * SLOT_NBYTES
         assert first + WINDOW * SLOT_NBYTES <= nbytes
         torn = consistent = 0

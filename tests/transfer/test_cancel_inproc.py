@@ -55,7 +55,7 @@ def num_serving(server: Server) -> int:
 
 async def cancel_after_the_first_block(server: Server, reader: Reader) -> None:
     """Start a read of BLOCKS, cancel it once block 0 landed, and check its outcome."""
-    server.ctx.grants.issue("late", BLOCKS, 1, lease_s=100.0, token=(tok := token()))
+    server.ctx.grants.issue("late", BLOCKS, 1, lease_s=100.0, grant=(tok := token()))
     reader.submit("late", tok, BLOCKS, LOCAL)
     await wait_until_async(
         lambda: same_blocks(server.ctx.local, BLOCKS[:1], reader.ctx.local, LOCAL[:1]), 10.0,
@@ -69,11 +69,12 @@ async def cancel_after_the_first_block(server: Server, reader: Reader) -> None:
     assert reader.failed["late"] == set(LOCAL)
     # reported once: the cancel of a read that ended has nothing left to do
     assert await reader.reads.cancel({"late"}, QUIESCE_S) == {"late"}
-    assert reader.reads.take_finished() == set() and reader.reads.take_failed() == {}
+    outcomes = reader.reads.outcomes
+    assert outcomes.take_finished() == set() and outcomes.take_failed() == {}
 
 
 async def read_again(server: Server, reader: Reader) -> None:
-    server.ctx.grants.issue("next", [1, 2], 1, token=(tok := token()))
+    server.ctx.grants.issue("next", [1, 2], 1, grant=(tok := token()))
     reader.submit("next", tok, [1, 2], [20, 21])
     assert (await reader.outcome("next")).ok
     assert same_blocks(server.ctx.local, [1, 2], reader.ctx.local, [20, 21])
@@ -128,7 +129,7 @@ def test_a_read_cancelled_before_its_task_ran_lets_go_of_its_receives() -> None:
     async def run() -> None:
         async with server_and_reader(chunk_delay_s=0.3) as (server, reader):
             await read_again(server, reader)  # the link and plan are cached now
-            server.ctx.grants.issue("late", BLOCKS, 1, lease_s=100.0, token=(tok := token()))
+            server.ctx.grants.issue("late", BLOCKS, 1, lease_s=100.0, grant=(tok := token()))
             reader.submit("late", tok, BLOCKS, LOCAL)  # receives posted, request sent
             assert await reader.reads.cancel({"late"}, QUIESCE_S) == {"late"}
             fill(reader.ctx.local, LOCAL, SENTINEL)

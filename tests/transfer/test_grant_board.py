@@ -19,8 +19,8 @@ from kvbridge.transfer.protocol.grant_board import (
     BoardSpot,
     GrantBoard,
     find_grant,
+    grant_digest,
     home_slot,
-    token_digest,
 )
 from kvbridge.transfer.serving.grants import GrantTable
 
@@ -34,9 +34,9 @@ PLACE = 5  # where the caches are, as the boards here are told
 def look(board: GrantBoard, token: str, blocks: list[int], prompt: bytes = b"",
          now: float = 0.0, place: int = PLACE) -> BoardSpot | None:
     """What a reader finds: the token's window copied out of the board."""
-    home = home_slot(token_digest(token), board.num_slots)
+    home = home_slot(grant_digest(token), board.num_slots)
     window = board._buf[home * SLOT_NBYTES : (home + WINDOW) * SLOT_NBYTES].tobytes()
-    return find_grant(window, 0, board.address + home * SLOT_NBYTES, token_digest(token),
+    return find_grant(window, 0, board.address + home * SLOT_NBYTES, grant_digest(token),
                       blocks, prompt, now, place)
 
 
@@ -131,18 +131,18 @@ def test_the_table_takes_a_grant_off_the_board_when_its_release_is_decided(end: 
     clock = ManualClock()
     table, board = table_with_board(clock)
     grant = table.issue("r", [4, 5], 1)
-    assert look(board, grant.token, [4, 5]) is not None
-    table.begin_read(grant.token, [4])  # an asked read pins it: the release waits
+    assert look(board, grant.grant, [4, 5]) is not None
+    table.begin_read(grant.grant, [4])  # an asked read pins it: the release waits
     if end == "done":
-        table.reader_done(grant.token, "d:0")
+        table.reader_done(grant.grant, "d:0")
     elif end == "expired":
         clock.advance(11.0)
         table.expire()
     else:
         table.revoke("r")
-    assert look(board, grant.token, [4]) is None  # off at once, although still held
+    assert look(board, grant.grant, [4]) is None  # off at once, although still held
     assert table.drain_released() == []
-    table.end_read(grant.token)
+    table.end_read(grant.grant)
     assert [r.reason for r in table.drain_released()] == [end]
     assert len(board) == 0
 
@@ -151,7 +151,7 @@ def test_a_grant_is_on_the_board_under_the_token_its_issuer_chose() -> None:
     """One token: the engine's, published as is, looked up and withdrawn by it."""
     table, board = table_with_board(ManualClock())
     chosen = "engine-chosen-token-xyz"
-    table.issue("r", [2], 1, token=chosen)
+    table.issue("r", [2], 1, grant=chosen)
     assert look(board, chosen, [2]) is not None
     table.revoke("r")
     assert look(board, chosen, [2]) is None and len(board) == 0
@@ -161,11 +161,11 @@ def test_the_table_publishes_the_lease_and_renewals() -> None:
     clock = ManualClock()
     table, board = table_with_board(clock)
     grant = table.issue("r", [1], 1, lease_s=2.0, prompt_digest=PROMPT)
-    spot = look(board, grant.token, [1], prompt=PROMPT)
+    spot = look(board, grant.grant, [1], prompt=PROMPT)
     assert spot is not None
     in_5s = time.monotonic() + 5.0  # the board's deadlines are monotonic seconds
-    assert look(board, grant.token, [1], prompt=PROMPT, now=in_5s) is None
-    table.begin_read(grant.token, [1])  # a lease is renewed only for a read in flight
-    table.renew(grant.token, 50.0, until=math.inf)
-    table.end_read(grant.token)
-    assert look(board, grant.token, [1], prompt=PROMPT, now=in_5s) == spot  # same seq
+    assert look(board, grant.grant, [1], prompt=PROMPT, now=in_5s) is None
+    table.begin_read(grant.grant, [1])  # a lease is renewed only for a read in flight
+    table.renew(grant.grant, 50.0, until=math.inf)
+    table.end_read(grant.grant)
+    assert look(board, grant.grant, [1], prompt=PROMPT, now=in_5s) == spot  # same seq

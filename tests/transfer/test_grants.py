@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.transfer.clock import ManualClock
 from kvbridge.transfer.serving.grants import (
-    TOKEN_LEN,
+    GRANT_LEN,
     BlockNotGrantedError,
     DuplicateGrantError,
     ExpiredGrantError,
@@ -39,11 +39,11 @@ def make_table(start: float = 1000.0, **kwargs: int) -> tuple[GrantTable, Manual
 def test_issue_returns_unguessable_json_safe_token_and_lease() -> None:
     table, clock = make_table()
     grants = [table.issue(f"r{i}", [i, i + 10], num_expected_readers=1) for i in range(50)]
-    tokens = {g.token for g in grants}
+    tokens = {g.grant for g in grants}
     assert len(tokens) == 50
     for g in grants:
-        assert isinstance(g.token, str) and len(g.token) == TOKEN_LEN
-        assert g.token.replace("-", "").replace("_", "").isalnum()
+        assert isinstance(g.grant, str) and len(g.grant) == GRANT_LEN
+        assert g.grant.replace("-", "").replace("_", "").isalnum()
         assert g.expires_at == clock.now() + DEFAULT_LEASE_S
     assert grants[3].block_ids == (3, 13)
     assert len(table) == 50 and table.num_held_blocks == 100
@@ -90,9 +90,9 @@ def test_duplicate_request_id_raises_until_released() -> None:
     with pytest.raises(DuplicateGrantError, match="'r'"):
         table.issue("r", [2], 1)
     assert table.num_held_blocks == 1
-    table.reader_done(g.token, "d:0")
+    table.reader_done(g.grant, "d:0")
     again = table.issue("r", [2], 1)  # a released request id may be granted again
-    assert again.token != g.token
+    assert again.grant != g.grant
 
 
 def test_constructor_validates_leases() -> None:
@@ -116,8 +116,8 @@ ENGINE_TOKEN = "engine-chosen-" + "k" * 24  # any unguessable string of 16..256 
 
 def test_the_issuer_may_choose_the_token_and_every_lookup_takes_it() -> None:
     table, clock = make_table()
-    g = table.issue("r", [1, 2], 1, token=ENGINE_TOKEN)
-    assert g.token == ENGINE_TOKEN and table.is_known(ENGINE_TOKEN)
+    g = table.issue("r", [1, 2], 1, grant=ENGINE_TOKEN)
+    assert g.grant == ENGINE_TOKEN and table.is_known(ENGINE_TOKEN)
     assert table.validate_read(ENGINE_TOKEN, [2]) == g
     table.begin_read(ENGINE_TOKEN, [1])
     assert table.renew(ENGINE_TOKEN, 20.0, until=math.inf) == clock.now() + 20.0
@@ -136,20 +136,20 @@ def test_the_issuer_may_choose_the_token_and_every_lookup_takes_it() -> None:
 def test_a_chosen_token_of_a_bad_length_is_refused(token: str, match: str) -> None:
     table, _ = make_table()
     with pytest.raises(ConfigError, match=match):
-        table.issue("r", [1], 1, token=token)
+        table.issue("r", [1], 1, grant=token)
     assert len(table) == 0
     table.check_integrity()
 
 
 def test_a_chosen_token_is_unique_among_live_and_remembered_grants() -> None:
     table, _ = make_table()
-    first = table.issue("a", [1], 1, token=ENGINE_TOKEN)
-    with pytest.raises(DuplicateGrantError, match="token"):
-        table.issue("b", [2], 1, token=ENGINE_TOKEN)
-    table.reader_done(first.token, "d:0")
+    first = table.issue("a", [1], 1, grant=ENGINE_TOKEN)
+    with pytest.raises(DuplicateGrantError, match="another request's"):
+        table.issue("b", [2], 1, grant=ENGINE_TOKEN)
+    table.reader_done(first.grant, "d:0")
     # released but remembered: a late read of the old grant must not open a new one
-    with pytest.raises(DuplicateGrantError, match="token"):
-        table.issue("b", [2], 1, token=ENGINE_TOKEN)
+    with pytest.raises(DuplicateGrantError, match="another request's"):
+        table.issue("b", [2], 1, grant=ENGINE_TOKEN)
     assert len(table) == 0
     table.check_integrity()
 
@@ -180,34 +180,34 @@ def test_validate_read_refuses_expired_grant_before_and_after_sweep() -> None:
     g = table.issue("r", [1], 1)
     clock.advance(DEFAULT_LEASE_S)
     with pytest.raises(ExpiredGrantError, match="'r'"):
-        table.validate_read(g.token, [1])
+        table.validate_read(g.grant, [1])
     table.expire()
     with pytest.raises(ExpiredGrantError):
-        table.validate_read(g.token, [1])
+        table.validate_read(g.grant, [1])
     with pytest.raises(ExpiredGrantError):
-        table.renew(g.token, 5.0, until=math.inf)
+        table.renew(g.grant, 5.0, until=math.inf)
 
 
 def test_renew_extends_while_a_read_is_pinned_and_is_capped() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
-    table.begin_read(g.token, [1])
+    table.begin_read(g.grant, [1])
     clock.advance(8.0)
-    new_expiry = table.renew(g.token, 10.0, until=math.inf)
+    new_expiry = table.renew(g.grant, 10.0, until=math.inf)
     assert new_expiry == clock.now() + 10.0 > g.expires_at
-    assert table.validate_read(g.token, [1]).expires_at == new_expiry
+    assert table.validate_read(g.grant, [1]).expires_at == new_expiry
     clock.advance(5.0)  # past the original expiry
     assert table.expire() == []  # no next_expiry() call in between: expire() alone skips it
-    table.validate_read(g.token, [1])
+    table.validate_read(g.grant, [1])
     assert table.next_expiry() == new_expiry
     # never past max_lease_s after the grant was issued, however late the renewal
     latest = g.expires_at - DEFAULT_LEASE_S + MAX_LEASE_S
-    assert table.renew(g.token, 1e9, until=math.inf) == latest
+    assert table.renew(g.grant, 1e9, until=math.inf) == latest
     # A shorter renewal never shortens the lease another reader relies on.
-    assert table.renew(g.token, 1.0, until=math.inf) == latest
+    assert table.renew(g.grant, 1.0, until=math.inf) == latest
     clock.advance(latest - clock.now())
     assert table.expire() == []  # expired, but released by the read's end_read
-    table.end_read(g.token)
+    table.end_read(g.grant)
     assert table.drain_released() == [Release("r", (1,), "expired")]
     table.check_integrity()
 
@@ -218,13 +218,13 @@ def test_a_renewal_without_a_read_in_flight_is_refused_and_extends_nothing() -> 
     table, clock = make_table()
     g = table.issue("r", [1, 2], 1)
     with pytest.raises(NoReadInFlightError, match="no read in flight"):
-        table.renew(g.token, 50.0, until=math.inf)
-    table.begin_read(g.token, [1])
-    table.end_read(g.token)  # a read that ended is not one in flight
+        table.renew(g.grant, 50.0, until=math.inf)
+    table.begin_read(g.grant, [1])
+    table.end_read(g.grant)  # a read that ended is not one in flight
     clock.advance(DEFAULT_LEASE_S - 1.0)
     with pytest.raises(NoReadInFlightError):
-        table.renew(g.token, 50.0, until=math.inf)
-    assert table.validate_read(g.token, [1]).expires_at == g.expires_at
+        table.renew(g.grant, 50.0, until=math.inf)
+    assert table.validate_read(g.grant, [1]).expires_at == g.expires_at
     assert table.next_expiry() == g.expires_at
     clock.advance(1.0)  # the lease as issued
     assert table.expire() == [Release("r", (1, 2), "expired")]
@@ -234,14 +234,14 @@ def test_a_renewal_without_a_read_in_flight_is_refused_and_extends_nothing() -> 
 def test_a_renewal_never_moves_the_lease_past_its_reads_deadline() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
-    table.begin_read(g.token, [1])
+    table.begin_read(g.grant, [1])
     deadline = clock.now() + 15.0  # what the server gives the read
-    assert table.renew(g.token, 40.0, until=deadline) == deadline
+    assert table.renew(g.grant, 40.0, until=deadline) == deadline
     clock.advance(10.0)
-    assert table.renew(g.token, 40.0, until=deadline) == deadline
+    assert table.renew(g.grant, 40.0, until=deadline) == deadline
     # a deadline before the lease's end extends nothing (and never shortens it)
-    assert table.renew(g.token, 40.0, until=clock.now() + 1.0) == deadline
-    table.end_read(g.token)
+    assert table.renew(g.grant, 40.0, until=clock.now() + 1.0) == deadline
+    table.end_read(g.grant)
     table.check_integrity()
 
 
@@ -253,12 +253,12 @@ def test_reads_one_after_another_keep_a_grant_at_most_max_lease_s() -> None:
     issued_at = clock.now()
     while clock.now() < issued_at + 2 * MAX_LEASE_S:
         try:
-            table.begin_read(g.token, [1])
+            table.begin_read(g.grant, [1])
         except ExpiredGrantError:
             break
-        table.renew(g.token, DEFAULT_LEASE_S, until=clock.now() + DEFAULT_LEASE_S)
+        table.renew(g.grant, DEFAULT_LEASE_S, until=clock.now() + DEFAULT_LEASE_S)
         clock.advance(DEFAULT_LEASE_S / 2)
-        table.end_read(g.token)
+        table.end_read(g.grant)
     assert clock.now() >= issued_at + MAX_LEASE_S
     assert table.expire() == [Release("r", (1,), "expired")]
 
@@ -266,23 +266,23 @@ def test_reads_one_after_another_keep_a_grant_at_most_max_lease_s() -> None:
 def test_renew_after_expiry_or_of_unknown_token_fails() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
-    table.begin_read(g.token, [1])
+    table.begin_read(g.grant, [1])
     clock.advance(DEFAULT_LEASE_S + 1)
     with pytest.raises(ExpiredGrantError):
-        table.renew(g.token, 5.0, until=math.inf)
+        table.renew(g.grant, 5.0, until=math.inf)
     with pytest.raises(UnknownGrantError):
-        table.renew("x" * TOKEN_LEN, 5.0, until=math.inf)
+        table.renew("x" * GRANT_LEN, 5.0, until=math.inf)
     with pytest.raises(ConfigError):
-        table.renew(g.token, -1.0, until=math.inf)
+        table.renew(g.grant, -1.0, until=math.inf)
 
 
 def test_many_renewals_keep_expiry_heap_bounded() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], 1)
-    table.begin_read(g.token, [1])
+    table.begin_read(g.grant, [1])
     for _ in range(1000):
         clock.advance(0.01)
-        table.renew(g.token, DEFAULT_LEASE_S, until=math.inf)
+        table.renew(g.grant, DEFAULT_LEASE_S, until=math.inf)
     assert len(table._expiry_heap) <= 2 * len(table) + 65
     table.check_integrity()
 
@@ -293,15 +293,15 @@ def test_many_renewals_keep_expiry_heap_bounded() -> None:
 def test_distinct_readers_release_once_and_duplicates_count_once() -> None:
     table, clock = make_table()
     g = table.issue("r", [1, 2, 3], num_expected_readers=3)
-    assert table.reader_done(g.token, "d:0") is False
-    assert table.reader_done(g.token, "d:0") is False  # duplicate report
-    assert table.reader_failed(g.token, "d:1") is False
+    assert table.reader_done(g.grant, "d:0") is False
+    assert table.reader_done(g.grant, "d:0") is False  # duplicate report
+    assert table.reader_failed(g.grant, "d:1") is False
     assert len(table) == 1 and table.drain_released() == []
-    assert table.reader_done(g.token, "d:2") is True
+    assert table.reader_done(g.grant, "d:2") is True
     assert table.drain_released() == [Release("r", (1, 2, 3), "done")]
     # Late reports, later expiry and revoke do not release again.
-    assert table.reader_done(g.token, "d:2") is False
-    assert table.reader_done(g.token, "d:3") is False
+    assert table.reader_done(g.grant, "d:2") is False
+    assert table.reader_done(g.grant, "d:3") is False
     clock.advance(MAX_LEASE_S * 2)
     assert table.expire() == []
     assert table.revoke("r") is False
@@ -310,7 +310,7 @@ def test_distinct_readers_release_once_and_duplicates_count_once() -> None:
     assert (stats.num_readers_done, stats.num_readers_failed) == (2, 1)
     assert (stats.num_issued, stats.num_released_done, stats.num_released_expired) == (1, 1, 0)
     with pytest.raises(UnknownGrantError, match="released"):
-        table.validate_read(g.token, [1])
+        table.validate_read(g.grant, [1])
     table.check_integrity()
 
 
@@ -318,7 +318,7 @@ def test_reader_done_after_expiry_but_before_sweep_releases_as_done() -> None:
     table, clock = make_table()
     g = table.issue("r", [5], num_expected_readers=1)
     clock.advance(DEFAULT_LEASE_S + 1)
-    assert table.reader_done(g.token, "d:0") is True
+    assert table.reader_done(g.grant, "d:0") is True
     assert table.expire() == []
     assert table.drain_released() == [Release("r", (5,), "done")]
 
@@ -327,7 +327,7 @@ def test_reader_reports_validate_input() -> None:
     table, _ = make_table()
     g = table.issue("r", [5], num_expected_readers=1)
     with pytest.raises(ConfigError):
-        table.reader_done(g.token, "")
+        table.reader_done(g.grant, "")
     with pytest.raises(UnknownGrantError):
         table.reader_done("never-issued-token-xyz", "d:0")
     assert len(table) == 1
@@ -336,12 +336,12 @@ def test_reader_reports_validate_input() -> None:
 def test_forgotten_tokens_become_unknown() -> None:
     table, _ = make_table(num_tombstones=1)
     first = table.issue("a", [1], 1)
-    table.reader_done(first.token, "d:0")
+    table.reader_done(first.grant, "d:0")
     second = table.issue("b", [2], 1)
-    table.reader_done(second.token, "d:0")
-    assert table.reader_done(second.token, "d:0") is False  # still remembered
+    table.reader_done(second.grant, "d:0")
+    assert table.reader_done(second.grant, "d:0") is False  # still remembered
     with pytest.raises(UnknownGrantError):
-        table.reader_done(first.token, "d:0")
+        table.reader_done(first.grant, "d:0")
 
 
 # ------------------------------------------------------------------- revoke
@@ -350,17 +350,17 @@ def test_forgotten_tokens_become_unknown() -> None:
 def test_revoke_releases_at_once() -> None:
     table, clock = make_table()
     g = table.issue("r", [4, 5], num_expected_readers=2)
-    table.reader_done(g.token, "d:0")
+    table.reader_done(g.grant, "d:0")
     assert table.revoke("r") is True
     assert table.revoke("r") is False
     assert table.revoke("never") is False
     assert table.drain_released() == [Release("r", (4, 5), "revoked")]
-    assert table.reader_done(g.token, "d:1") is False
+    assert table.reader_done(g.grant, "d:1") is False
     clock.advance(MAX_LEASE_S * 2)
     assert table.expire() == [] and table.drain_released() == []
     assert table.next_expiry() is None
     with pytest.raises(UnknownGrantError, match="revoked"):
-        table.validate_read(g.token, [4])
+        table.validate_read(g.grant, [4])
 
 
 # ------------------------------------------------------------------- reads
@@ -370,21 +370,21 @@ def test_validate_read_errors() -> None:
     table, _ = make_table()
     g = table.issue("r", [10, 11, 12], 1)
     other = table.issue("s", list(range(100, 120)), 1)
-    assert table.validate_read(g.token, [12, 10]) == g
-    assert table.validate_read(g.token, []) == g
+    assert table.validate_read(g.grant, [12, 10]) == g
+    assert table.validate_read(g.grant, []) == g
     with pytest.raises(UnknownGrantError):
-        table.validate_read("A" * TOKEN_LEN, [10])
+        table.validate_read("A" * GRANT_LEN, [10])
     with pytest.raises(UnknownGrantError):
         table.validate_read("short", [10])
     with pytest.raises(UnknownGrantError):
         table.validate_read("A" * 10_000, [10])
     # The other request's token does not open this request's blocks.
     with pytest.raises(BlockNotGrantedError, match=r"3 of 3 .*'s'.*\[10, 11, 12\]"):
-        table.validate_read(other.token, [10, 11, 12])
+        table.validate_read(other.grant, [10, 11, 12])
     with pytest.raises(BlockNotGrantedError, match=r"1 of 3 .*\[13\]"):
-        table.validate_read(g.token, [10, 13, 11])
+        table.validate_read(g.grant, [10, 13, 11])
     with pytest.raises(BlockNotGrantedError) as info:
-        table.validate_read(g.token, list(range(1000)))
+        table.validate_read(g.grant, list(range(1000)))
     assert "997 of 1000" in str(info.value) and len(str(info.value)) < 300
     table.check_integrity()
 
@@ -395,58 +395,58 @@ def test_error_messages_do_not_contain_whole_tokens() -> None:
     clock.advance(DEFAULT_LEASE_S)
     table.expire()
     with pytest.raises(ExpiredGrantError) as info:
-        table.validate_read(g.token, [1])
-    assert g.token not in str(info.value)
+        table.validate_read(g.grant, [1])
+    assert g.grant not in str(info.value)
 
 
 def test_pinned_read_defers_expiry_release() -> None:
     table, clock = make_table()
     g = table.issue("r", [1, 2], num_expected_readers=1)
-    table.begin_read(g.token, [1, 2])
+    table.begin_read(g.grant, [1, 2])
     clock.advance(DEFAULT_LEASE_S)
     assert table.expire() == []
     assert table.drain_released() == [] and table.num_held_blocks == 2
     assert table.next_expiry() is None
     with pytest.raises(ExpiredGrantError):
-        table.begin_read(g.token, [1])  # no new reads of an expiring grant
+        table.begin_read(g.grant, [1])  # no new reads of an expiring grant
     table.check_integrity()
-    table.end_read(g.token)
+    table.end_read(g.grant)
     assert table.drain_released() == [Release("r", (1, 2), "expired")]
     assert table.num_held_blocks == 0
     with pytest.raises(GrantError, match="without begin_read"):
-        table.end_read(g.token)
+        table.end_read(g.grant)
     table.check_integrity()
 
 
 def test_pinned_read_defers_done_and_revoke() -> None:
     table, clock = make_table()
     g = table.issue("r", [1], num_expected_readers=1)
-    table.begin_read(g.token, [1])
-    table.begin_read(g.token, [1])
-    assert table.reader_done(g.token, "d:0") is True
+    table.begin_read(g.grant, [1])
+    table.begin_read(g.grant, [1])
+    assert table.reader_done(g.grant, "d:0") is True
     assert table.revoke("r") is False  # release already decided
-    table.end_read(g.token)
+    table.end_read(g.grant)
     assert table.drain_released() == []
-    table.end_read(g.token)
+    table.end_read(g.grant)
     assert table.drain_released() == [Release("r", (1,), "done")]
 
     # A lease running out while a decided release waits for reads keeps its reason.
     f = table.issue("f", [3], num_expected_readers=1)
-    table.begin_read(f.token, [3])
-    assert table.reader_done(f.token, "d:0") is True
+    table.begin_read(f.grant, [3])
+    assert table.reader_done(f.grant, "d:0") is True
     clock.advance(MAX_LEASE_S + 1)
     assert table.expire() == []
-    table.end_read(f.token)
+    table.end_read(f.grant)
     assert table.drain_released() == [Release("f", (3,), "done")]
 
     h = table.issue("s", [2], num_expected_readers=1)
     assert table.next_expiry() == h.expires_at
-    table.begin_read(h.token, [2])
+    table.begin_read(h.grant, [2])
     with pytest.raises(BlockNotGrantedError):
-        table.begin_read(h.token, [3])  # a refused read is not pinned
+        table.begin_read(h.grant, [3])  # a refused read is not pinned
     assert table.revoke("s") is True
-    assert table.reader_done(h.token, "d:0") is False
-    table.end_read(h.token)
+    assert table.reader_done(h.grant, "d:0") is False
+    table.end_read(h.grant)
     assert table.drain_released() == [Release("s", (2,), "revoked")]
     table.check_integrity()
 
@@ -455,7 +455,7 @@ def test_end_read_without_begin_read_raises() -> None:
     table, _ = make_table()
     g = table.issue("r", [1], 1)
     with pytest.raises(GrantError):
-        table.end_read(g.token)
+        table.end_read(g.grant)
     table.check_integrity()
 
 
@@ -464,7 +464,7 @@ def test_shared_blocks_are_counted_per_grant() -> None:
     a = table.issue("a", [1, 2, 3], 1)
     table.issue("b", [1, 2, 9], 1)  # prefix-cache blocks shared by two requests
     assert table.num_held_blocks == 6
-    table.reader_done(a.token, "d:0")
+    table.reader_done(a.grant, "d:0")
     assert table.num_held_blocks == 3
     table.check_integrity()
 
@@ -491,7 +491,7 @@ _OPS = st.lists(
 @dataclass
 class _Model:
     request_id: str
-    token: str
+    grant: str
     block_ids: tuple[int, ...]
     expires_at: float
     num_expected_readers: int
@@ -533,7 +533,7 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
                 block_ids, num_readers, lease_s = args
                 rid = f"req{len(models)}"
                 g = table.issue(rid, block_ids, num_readers, lease_s)
-                models.append(_Model(rid, g.token, g.block_ids, g.expires_at, num_readers,
+                models.append(_Model(rid, g.grant, g.block_ids, g.expires_at, num_readers,
                                      clock.now()))
                 by_request[rid] = models[-1]
             elif kind == "advance":
@@ -544,11 +544,11 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
                 report = table.reader_done if kind == "done" else table.reader_failed
                 if m.request_id not in released:
                     m.readers.add(f"d:{args[1]}")
-                report(m.token, f"d:{args[1]}")
+                report(m.grant, f"d:{args[1]}")
             elif kind == "renew" and m is not None:
                 before, until = m.expires_at, clock.now() + args[2]
                 try:
-                    m.expires_at = table.renew(m.token, args[1], until=until)
+                    m.expires_at = table.renew(m.grant, args[1], until=until)
                 except NoReadInFlightError:
                     assert m.num_pins == 0
                     raise
@@ -558,10 +558,10 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
             elif kind == "revoke" and m is not None:
                 m.revoked = table.revoke(m.request_id) or m.revoked
             elif kind == "begin" and m is not None:
-                table.begin_read(m.token, m.block_ids[:2])
+                table.begin_read(m.grant, m.block_ids[:2])
                 m.num_pins += 1
             elif kind == "end" and m is not None and m.num_pins > 0:
-                table.end_read(m.token)
+                table.end_read(m.grant)
                 m.num_pins -= 1
         except GrantError:
             pass  # refused operations must leave the table consistent
@@ -576,7 +576,7 @@ def test_random_operations_release_every_grant_exactly_once(ops: list[tuple[Any,
     # Finish every read in flight and let every lease run out.
     for m in models:
         for _ in range(m.num_pins):
-            table.end_read(m.token)
+            table.end_read(m.grant)
     clock.advance(MAX_LEASE_S + 1)
     table.expire()
     drain()
@@ -596,19 +596,19 @@ def test_on_release_runs_after_every_call_that_queued_a_release() -> None:
     table = GrantTable(clock, DEFAULT_LEASE_S, MAX_LEASE_S,
                        on_release=lambda: seen.append(len(table.drain_released())))
     done = table.issue("done", [1], num_expected_readers=2)
-    table.reader_done(done.token, "d:0")
+    table.reader_done(done.grant, "d:0")
     assert seen == []
-    table.reader_done(done.token, "d:1")
+    table.reader_done(done.grant, "d:1")
     assert seen == [1]
     pinned = table.issue("pinned", [2], num_expected_readers=1)
-    table.begin_read(pinned.token, [2])
-    table.reader_done(pinned.token, "d:0")  # decided, deferred: the read is in flight
+    table.begin_read(pinned.grant, [2])
+    table.reader_done(pinned.grant, "d:0")  # decided, deferred: the read is in flight
     assert seen == [1]
-    table.end_read(pinned.token)
+    table.end_read(pinned.grant)
     assert seen == [1, 1]
     late = table.issue("late", [3], num_expected_readers=None)
-    table.reader_done(late.token, "d:0")
-    table.set_expected_readers(late.token, 1)
+    table.reader_done(late.grant, "d:0")
+    table.set_expected_readers(late.grant, 1)
     assert seen == [1, 1, 1]
     table.issue("expiring", [4], num_expected_readers=1)
     table.issue("revoked", [5], num_expected_readers=1)

@@ -17,12 +17,12 @@ def test_no_release_until_the_count_is_known() -> None:
     t = table()
     g = t.issue("r", [1, 2], num_expected_readers=None)
     assert g.num_expected_readers is None
-    assert not t.reader_done(g.token, "d:0")
-    assert not t.reader_done(g.token, "d:1")
+    assert not t.reader_done(g.grant, "d:0")
+    assert not t.reader_done(g.grant, "d:1")
     assert t.drain_released() == []
     t.check_integrity()
     # reports that came first count as soon as the count is set
-    assert t.set_expected_readers(g.token, 2)
+    assert t.set_expected_readers(g.grant, 2)
     (release,) = t.drain_released()
     assert (release.request_id, release.reason) == ("r", "done")
     t.check_integrity()
@@ -31,11 +31,11 @@ def test_no_release_until_the_count_is_known() -> None:
 def test_first_count_wins_and_later_reports_complete_it() -> None:
     t = table()
     g = t.issue("r", [1], None)
-    assert t.set_expected_readers(g.token, 3)
-    assert not t.set_expected_readers(g.token, 1)  # ignored: the first reader set it
-    assert not t.reader_done(g.token, "d:0")
-    assert not t.reader_failed(g.token, "d:1")
-    assert t.reader_done(g.token, "d:2")
+    assert t.set_expected_readers(g.grant, 3)
+    assert not t.set_expected_readers(g.grant, 1)  # ignored: the first reader set it
+    assert not t.reader_done(g.grant, "d:0")
+    assert not t.reader_failed(g.grant, "d:1")
+    assert t.reader_done(g.grant, "d:2")
     assert [r.reason for r in t.drain_released()] == ["done"]
     assert t.stats().num_readers_failed == 1
 
@@ -43,19 +43,19 @@ def test_first_count_wins_and_later_reports_complete_it() -> None:
 def test_a_fixed_count_is_never_changed() -> None:
     t = table()
     g = t.issue("r", [1], 2)
-    assert not t.set_expected_readers(g.token, 1)
-    assert not t.reader_done(g.token, "d:0")
+    assert not t.set_expected_readers(g.grant, 1)
+    assert not t.reader_done(g.grant, "d:0")
     assert t.drain_released() == []
 
 
 def test_set_count_on_a_pinned_grant_defers_the_release() -> None:
     t = table()
     g = t.issue("r", [4], None)
-    t.begin_read(g.token, [4])
-    t.reader_done(g.token, "d:0")
-    t.set_expected_readers(g.token, 1)
+    t.begin_read(g.grant, [4])
+    t.reader_done(g.grant, "d:0")
+    t.set_expected_readers(g.grant, 1)
     assert t.drain_released() == []  # a read is still sending from the blocks
-    t.end_read(g.token)
+    t.end_read(g.grant)
     assert [r.request_id for r in t.drain_released()] == ["r"]
     t.check_integrity()
 
@@ -72,13 +72,13 @@ def test_bad_counts_and_tokens() -> None:
     t = table()
     g = t.issue("r", [1], None)
     with pytest.raises(ConfigError, match="num_expected_readers must be >= 1, got 0"):
-        t.set_expected_readers(g.token, 0)
+        t.set_expected_readers(g.grant, 0)
     with pytest.raises(UnknownGrantError):
-        t.set_expected_readers("x" * len(g.token), 1)
+        t.set_expected_readers("x" * len(g.grant), 1)
     with pytest.raises(UnknownGrantError):
         t.set_expected_readers("short", 1)
-    assert t.is_known(g.token) and not t.is_known("short") and not t.is_known("y" * 22)
+    assert t.is_known(g.grant) and not t.is_known("short") and not t.is_known("y" * 22)
     t.revoke("r")
-    assert t.is_known(g.token)  # remembered after release
+    assert t.is_known(g.grant)  # remembered after release
     with pytest.raises(UnknownGrantError):
-        t.set_expected_readers(g.token, 1)
+        t.set_expected_readers(g.grant, 1)

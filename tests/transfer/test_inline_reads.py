@@ -23,7 +23,7 @@ import torch
 from kvbridge.transfer.agent import TransferAgent
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.host_memory import kv_cache_zeros
-from kvbridge.transfer.reading import copier, inline
+from kvbridge.transfer.reading import copy_source, inline
 from kvbridge.transfer.reading.jobs import ReadStats
 from tests.transfer.inproc import BLOCK_SIZE, COMPAT, TOPOLOGY, caches
 from tests.waiting import wait_until
@@ -79,7 +79,7 @@ def agents(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 def read_now(server: TransferAgent, reader: TransferAgent, request_id: str, blocks: list[int],
              local: list[int]) -> tuple[set[str], ReadStats]:
     """Issue, ``start_read``, and what ``get_finished`` said right after it; then the stats."""
-    token = server.issue_grant(request_id, blocks, 1).token
+    token = server.issue_grant(request_id, blocks, 1).grant
     reader.start_read(request_id, engine_id="p-inline", host="127.0.0.1", port=server.port,
                       remote_block_ids=blocks, local_block_ids=local, grant=token,
                       num_tokens=BLOCK_SIZE * len(blocks))
@@ -121,7 +121,7 @@ def test_done_reports_of_reads_back_to_back_all_reach_the_server(agents: tuple) 
     read_now(server, reader, "link", [1, 2], [3, 4])
     ids = [f"burst-{n}" for n in range(40)]
     for request_id in ids:
-        token = server.issue_grant(request_id, [5, 6], 1).token
+        token = server.issue_grant(request_id, [5, 6], 1).grant
         reader.start_read(request_id, engine_id="p-inline", host="127.0.0.1",
                           port=server.port, remote_block_ids=[5, 6], local_block_ids=[7, 8],
                           grant=token, num_tokens=2 * BLOCK_SIZE)
@@ -148,7 +148,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
     server, reader, p_caches, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
     wait_until(lambda: len(server.grants) == 0, 5.0, message="link's done report")
-    real_find = copier.find_grant
+    real_find = copy_source.find_grant
     changed: list[str] = []
 
     def find_then_change(*args: Any) -> Any:
@@ -164,7 +164,7 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
                 assert server.grants.refresh_board() == 1
         return spot
 
-    monkeypatch.setattr(copier, "find_grant", find_then_change)
+    monkeypatch.setattr(copy_source, "find_grant", find_then_change)
     finished, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
     assert changed == [what] and "changed" not in finished  # not kept inline
     if what == "revoked":
@@ -193,7 +193,7 @@ def test_prepared_copies_follow_the_servers_go(agents: tuple) -> None:
                                           [3, 4], 1)
                 reader.start_read(token.request_id, engine_id=agent.engine_id,
                                   host="127.0.0.1", port=agent.port, remote_block_ids=[3, 4],
-                                  local_block_ids=[5, 6], grant=token.token,
+                                  local_block_ids=[5, 6], grant=token.grant,
                                   num_tokens=2 * BLOCK_SIZE)
                 wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
                            message="read")
@@ -211,7 +211,7 @@ def test_a_read_the_board_does_not_allow_copies_nothing(agents: tuple, case: str
     server, reader, _, d_caches = agents
     read_now(server, reader, "link", [1, 2], [3, 4])
     granted = b"the granted prompt"
-    token = server.issue_grant("bound", [6, 8], 1, prompt_digest=granted).token
+    token = server.issue_grant("bound", [6, 8], 1, prompt_digest=granted).grant
     blocks, prompt = ([6, 8], b"another prompt") if case == "prompt" else ([6, 9], granted)
     reader.start_read("bound", engine_id="p-inline", host="127.0.0.1", port=server.port,
                       remote_block_ids=blocks, local_block_ids=[12, 13], grant=token,
@@ -235,7 +235,7 @@ def test_copies_of_a_dead_link_are_forgotten_when_a_new_link_copies(agents: tupl
             token = first.issue_grant(f"first-{n}", [3], 1)
             reader.start_read(token.request_id, engine_id="p-first", host="127.0.0.1",
                               port=first.port, remote_block_ids=[3], local_block_ids=[4],
-                              grant=token.token, num_tokens=BLOCK_SIZE)
+                              grant=token.grant, num_tokens=BLOCK_SIZE)
             wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
                        message="read")
         assert {p.link.peer for p in inline_reader._prepared.values()} == {
@@ -275,7 +275,7 @@ def test_a_server_gone_for_good_is_let_go_once_another_is_read_from(agents: tupl
             token = first.issue_grant(f"gone-{n}", [3], 1)
             reader.start_read(token.request_id, engine_id="p-gone", host="127.0.0.1",
                               port=first.port, remote_block_ids=[3], local_block_ids=[4],
-                              grant=token.token, num_tokens=BLOCK_SIZE)
+                              grant=token.grant, num_tokens=BLOCK_SIZE)
             wait_until(lambda rid=token.request_id: rid in reader.get_finished()[1], 10.0,
                        message="read")
         assert board_maps(inode) == 2  # the server's own, and the reader's
@@ -284,10 +284,10 @@ def test_a_server_gone_for_good_is_let_go_once_another_is_read_from(agents: tupl
     del first, board
     gc.collect()
     assert board_maps(inode) == 1  # the reader's
-    wait_until(lambda: not any(link.alive for key, link in reads._links.items()
+    wait_until(lambda: not any(link.alive for key, link in reads._links._links.items()
                                if key[0] == "p-gone"), 10.0, message="the link to die")
     gc.collect()
     assert board_maps(inode) == 0  # let go once its link died
     for n in range(2):  # a link to another server (its second read is made inline)
         read_now(server, reader, f"after-gone-{n}", [1], [2])
-    assert [key for key in reads._links if key[0] == "p-gone"] == []
+    assert [key for key in reads._links._links if key[0] == "p-gone"] == []

@@ -59,8 +59,8 @@ def token() -> str:
 def test_a_read_by_the_engine_chosen_token_lands_byte_for_byte() -> None:
     async def run() -> None:
         async with server_and_reader() as (server, reader):
-            grant = server.ctx.grants.issue("req", [3, 9, 4], 1, token=(tok := token()))
-            assert grant.token == tok  # the table keeps the issuer's token: no second one
+            grant = server.ctx.grants.issue("req", [3, 9, 4], 1, grant=(tok := token()))
+            assert grant.grant == tok  # the table keeps the issuer's token: no second one
             reader.submit("req", tok, [3, 9, 4], [0, 1, 2])
             stats = await reader.outcome("req")
             assert stats.ok and stats.num_direct == 1, stats
@@ -76,7 +76,7 @@ def test_a_read_by_the_engine_chosen_token_lands_byte_for_byte() -> None:
 def test_a_read_after_the_lease_ended_is_refused_as_expired() -> None:
     async def run() -> None:
         async with server_and_reader() as (server, reader):
-            server.ctx.grants.issue("old", [5], 1, lease_s=2.0, token=(tok := token()))
+            server.ctx.grants.issue("old", [5], 1, lease_s=2.0, grant=(tok := token()))
             server.clock.advance(2.0)  # no sleep: the table's clock says the lease is over
             reader.submit("old", tok, [5], [0])
             stats = await reader.outcome("old")
@@ -100,8 +100,8 @@ def test_a_refused_renewal_fails_its_own_read_and_no_other() -> None:
     async def run() -> None:
         async with server_and_reader(None, RENEWING, chunk_delay_s=SLOW_S) as (server, reader):
             grants = server.ctx.grants
-            grants.issue("short", BLOCKS, 1, lease_s=1.0, token=(short := token()))
-            grants.issue("long", BLOCKS, 1, lease_s=100.0, token=(long := token()))
+            grants.issue("short", BLOCKS, 1, lease_s=1.0, grant=(short := token()))
+            grants.issue("long", BLOCKS, 1, lease_s=100.0, grant=(long := token()))
             reader.submit("short", short, BLOCKS, list(range(6)))
             reader.submit("long", long, BLOCKS, list(range(6, 12)))
             # Both reads pinned their grants (each holds a staging buffer once the
@@ -115,7 +115,7 @@ def test_a_refused_renewal_fails_its_own_read_and_no_other() -> None:
             assert kept.ok, kept
             assert same_blocks(server.ctx.local, BLOCKS, reader.ctx.local, list(range(6, 12)))
             # the link lived on: a third read goes over the same connection
-            grants.issue("after", [1], 1, token=(after := token()))
+            grants.issue("after", [1], 1, grant=(after := token()))
             reader.submit("after", after, [1], [20])
             assert (await reader.outcome("after")).ok
             assert server.ctx.num_sessions_total == 1
@@ -131,7 +131,7 @@ def test_two_reads_of_one_grant_renew_at_once_on_one_link() -> None:
         cfg = {**RENEWING, "reply_timeout_s": 0.3}  # a read lasts longer than that
         async with server_and_reader(None, cfg, chunk_delay_s=SLOW_S) as (server, reader):
             # more readers than will report: no release ends the lease under the reads
-            server.ctx.grants.issue("shared", BLOCKS, 5, lease_s=100.0, token=(tok := token()))
+            server.ctx.grants.issue("shared", BLOCKS, 5, lease_s=100.0, grant=(tok := token()))
             reader.submit("a", tok, BLOCKS, list(range(6)))
             reader.submit("b", tok, BLOCKS, list(range(6, 12)))
             first, second = await reader.outcome("a"), await reader.outcome("b")
@@ -248,8 +248,8 @@ def test_a_lease_is_renewed_only_for_a_read_of_its_grant_in_flight() -> None:
         staged = {"direct_reads": False}
         async with server_and_reader(None, staged, chunk_delay_s=SLOW_S) as (server, reader):
             grants, start = server.ctx.grants, server.clock.now()
-            grants.issue("reading", BLOCKS, 1, lease_s=5.0, token=(read_tok := token()))
-            idle = grants.issue("idle", [1], 1, lease_s=5.0, token=(idle_tok := token()))
+            grants.issue("reading", BLOCKS, 1, lease_s=5.0, grant=(read_tok := token()))
+            idle = grants.issue("idle", [1], 1, lease_s=5.0, grant=(idle_tok := token()))
             link, item = await open_link(server, reader)
             try:
                 with pytest.raises(NoReadServedError, match="no_read") as refused:
@@ -296,7 +296,7 @@ def test_a_long_read_renews_its_lease_up_to_its_deadline_and_lands() -> None:
         async with server_and_reader(None, cfg, chunk_delay_s=SLOW_S) as (server, reader):
             grants = server.ctx.grants
             # two readers expected: this one's report does not release the grant
-            g = grants.issue("long", BLOCKS, 2, lease_s=1.0, token=(tok := token()))
+            g = grants.issue("long", BLOCKS, 2, lease_s=1.0, grant=(tok := token()))
             reader.submit("long", tok, BLOCKS, list(range(6)))
             await wait_until_async(lambda: grants.next_expiry() != g.expires_at, 10.0,
                                    message="a renewal")

@@ -24,7 +24,8 @@ from kvbridge.transfer.host_memory import kv_cache_zeros, shared_region
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import GrantBoard
 from kvbridge.transfer.protocol.host import ENV_SWITCH, ProbeCell, allowed
-from kvbridge.transfer.reading.copier import Copier, CopySource
+from kvbridge.transfer.reading.copier import Copier
+from kvbridge.transfer.reading.copy_source import CopySource
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process_vm_readv is Linux's")
 

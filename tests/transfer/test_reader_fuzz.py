@@ -34,9 +34,10 @@ from kvbridge.transfer.errors import ProtocolError, TransferError
 from kvbridge.transfer.local_kv import LocalKV, topology_of
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import serve_handshake
+from kvbridge.transfer.reading.base import ReaderContext
 from kvbridge.transfer.reading.link import PeerLink
 from kvbridge.transfer.reading.server_meta import check_server_meta
-from kvbridge.transfer.reading.strategy import ReaderContext, prepare
+from kvbridge.transfer.reading.strategy import prepare
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
 from tests.transfer.inproc import (
@@ -86,7 +87,7 @@ def test_mutated_metadata_is_refused_typed_or_sizes_within_our_cache(changes: di
     for item in plan.items:
         setup = prepare(meta, ctx, iter([1]), item, "grant-0000000000", [0, 1], [0, 1],
                         min(meta.block_size, 4), 0, b"")
-        assert setup.request.chunk_blocks * setup.wire_fmt.block_nbytes <= max(
+        assert setup.request.chunk_blocks * setup.packed_fmt.block_nbytes <= max(
             CACHE_NBYTES, AgentConfig().chunk_nbytes)
 
 

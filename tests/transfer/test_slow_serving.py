@@ -34,7 +34,7 @@ def test_a_slowed_read_lands_byte_for_byte(way: str) -> None:
     async def run() -> None:
         async with server_and_reader({"local_copy": True}, WAYS[way], chunk_delay_s=0.01) as (
                 server, reader):
-            server.ctx.grants.issue("req", BLOCKS, 1, token=(tok := secrets.token_urlsafe(16)))
+            server.ctx.grants.issue("req", BLOCKS, 1, grant=(tok := secrets.token_urlsafe(16)))
             reader.submit("req", tok, BLOCKS, [0, 1, 2])
             stats = await reader.outcome("req")
             assert stats.ok, stats
@@ -53,7 +53,7 @@ def test_a_slowed_read_is_held_back_pinned_and_unpinned_when_its_session_ends(
         async with server_and_reader({"local_copy": True}, WAYS[way], chunk_delay_s=3600.0) as (
                 server, reader):
             ctx, grants = server.ctx, server.ctx.grants
-            grants.issue("req", BLOCKS, 1, token=(tok := secrets.token_urlsafe(16)))
+            grants.issue("req", BLOCKS, 1, grant=(tok := secrets.token_urlsafe(16)))
             reader.submit("req", tok, BLOCKS, [0, 1, 2])
             [served] = await wait_until_async(
                 lambda: [r for s in ctx.sessions for r in s.reads.values() if r.deadline],

@@ -2,14 +2,14 @@
 
 A protocol in memory rather than on the wire: the server writes the board
 (``GrantBoard``, kept by its grant table, ``serving/grants.py``), a reader on
-its host reads it (``find_grant``, through ``reading/copier.py``); both agree on
+its host reads it (``find_grant``, through ``reading/copy_source.py``); both agree on
 the slot format below.
 
 A same-host copy (``reading/same_host.py``) needs the server's word that the grant is
 live and holds the read's blocks. Asked for (``CopyGo``), that word costs a
 round trip through the server's event loop, and on a busy host the server may
 wait for a core until the reader's own copy threads leave one. The board gives
-the same word without asking: the server writes every live grant (token digest,
+the same word without asking: the server writes every live grant (grant digest,
 block ids, prompt digest, lease deadline) into a table in its memory, and the
 reader reads it from there with the same ``process_vm_readv`` it copies with.
 
@@ -34,20 +34,20 @@ reader skip asking when it says yes.
 A slot (``SLOT_NBYTES``)::
 
     word 0   seq                     u64   0 never used, odd gone/writing, even live
-    words 1-2  token digest          16 B  blake2b of the token
+    words 1-2  grant digest          16 B  blake2b of the grant string
     words 3-4  prompt digest digest  16 B  blake2b of the grant's prompt digest
     word 5   deadline                f64   lease end, ``time.monotonic()`` seconds
     word 6   num_blocks | bound<<32  u64   bound: the grant names a prompt
     word 7   place                   u64   where the caches were (``LocalKV.place``)
     then     block ids               u32 x MAX_BLOCKS
 
-A grant's slot is one of ``WINDOW`` slots from its token digest's home slot, so a
+A grant's slot is one of ``WINDOW`` slots from its grant digest's home slot, so a
 reader finds it with one read of ``WINDOW`` slots.
 
 Where it can, the board lives in a ``memfd`` (``GrantBoard.fd``) that a reader
 maps read-only through ``/proc/<pid>/fd/<fd>`` (the same permission as
 ``process_vm_readv``): then finding a grant is plain loads from the reader's own
-mapping, no system call (``reading/copier.py``). After the slots comes the board's tag
+mapping, no system call (``reading/copy_source.py``). After the slots comes the board's tag
 (``TAG_NBYTES`` random bytes): a reader compares it through ``process_vm_readv``
 at the advertised address with its mapping's before it trusts the mapping.
 
@@ -108,7 +108,7 @@ __all__ = [
     "home_slot",
     "memory_fence",
     "slot_seq",
-    "token_digest",
+    "grant_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ WINDOW = 4  # slots a grant may sit in, from its home slot on
 NUM_SLOTS = 4096  # home slots (the table has WINDOW - 1 more, so windows never wrap)
 _HEADER_WORDS = 8
 SLOT_NBYTES = _HEADER_WORDS * 8 + MAX_BLOCKS * 4
-_SEQ, _TOKEN, _PROMPT, _DEADLINE, _COUNT, _PLACE = 0, 1, 3, 5, 6, 7
+_SEQ, _GRANT, _PROMPT, _DEADLINE, _COUNT, _PLACE = 0, 1, 3, 5, 6, 7
 _BOUND = 1 << 32
 _MAX_ID = (1 << 32) - 1
 TAG_NBYTES = 16
@@ -170,13 +170,13 @@ def board_supported() -> bool:
     return memory_fence() is not None
 
 
-_TOKEN_HASH = hashlib.blake2b(digest_size=16, person=b"kvbridge-grant")
+_GRANT_HASH = hashlib.blake2b(digest_size=16, person=b"kvbridge-grant")
 
 
-def token_digest(token: str) -> bytes:
-    """What the board keeps of a token (16 bytes)."""
-    hasher = _TOKEN_HASH.copy()  # half the cost of a new keyed blake2b
-    hasher.update(token.encode())
+def grant_digest(grant: str) -> bytes:
+    """What the board keeps of a grant string (16 bytes)."""
+    hasher = _GRANT_HASH.copy()  # half the cost of a new keyed blake2b
+    hasher.update(grant.encode())
     return hasher.digest()
 
 
@@ -185,7 +185,7 @@ def _prompt_key(prompt_digest: bytes) -> bytes:
 
 
 def home_slot(digest: bytes, num_slots: int) -> int:
-    """The first slot of a token's window."""
+    """The first slot of a grant's window."""
     return int.from_bytes(digest[:8], "little") % num_slots
 
 
@@ -243,16 +243,16 @@ class GrantBoard:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def publish(self, token: str, block_ids: Sequence[int], deadline_in_s: float,
+    def publish(self, grant: str, block_ids: Sequence[int], deadline_in_s: float,
                 prompt_digest: bytes | None) -> bool:
         """Put a live grant on the board; False (not on it) when it does not fit.
 
-        ``token`` is the grant's one token: readers look it up by the token they
+        ``grant`` is the grant's string: readers look it up by the one they
         present, and it keys ``renew`` and ``withdraw``.
         """
         if len(block_ids) > MAX_BLOCKS or any(b > _MAX_ID for b in block_ids):
             return False
-        digest = token_digest(token)
+        digest = grant_digest(grant)
         home = home_slot(digest, self.num_slots)
         free = np.flatnonzero(~self._used[home : home + WINDOW])
         if free.size == 0:
@@ -262,7 +262,7 @@ class GrantBoard:
         seq = int(words[_SEQ])
         words[_SEQ] = seq + 1 if seq % 2 == 0 else seq  # odd while written
         self._fence()
-        words[_TOKEN : _TOKEN + 2] = np.frombuffer(digest, dtype=np.uint64)
+        words[_GRANT : _GRANT + 2] = np.frombuffer(digest, dtype=np.uint64)
         bound = prompt_digest is not None
         key = _prompt_key(prompt_digest) if prompt_digest is not None else bytes(16)
         words[_PROMPT : _PROMPT + 2] = np.frombuffer(key, dtype=np.uint64)
@@ -273,12 +273,12 @@ class GrantBoard:
         self._fence()
         words[_SEQ] = int(words[_SEQ]) + 1  # even: live
         self._used[slot] = True
-        self._slot_of[token] = slot
+        self._slot_of[grant] = slot
         return True
 
-    def renew(self, token: str, deadline_in_s: float) -> None:
+    def renew(self, grant: str, deadline_in_s: float) -> None:
         """Move a published grant's deadline (no-op when it is not on the board)."""
-        slot = self._slot_of.get(token)
+        slot = self._slot_of.get(grant)
         if slot is not None:
             self._deadlines[slot] = time.monotonic() + deadline_in_s
 
@@ -286,13 +286,13 @@ class GrantBoard:
         """Take off every grant published while the caches were elsewhere; how many."""
         place = self._place()
         moved = [t for t, slot in self._slot_of.items() if int(self._words[slot, _PLACE]) != place]
-        for token in moved:
-            self.withdraw(token)
+        for grant in moved:
+            self.withdraw(grant)
         return len(moved)
 
-    def withdraw(self, token: str) -> None:
+    def withdraw(self, grant: str) -> None:
         """Take a grant off the board (before its blocks are handed back); idempotent."""
-        slot = self._slot_of.pop(token, None)
+        slot = self._slot_of.pop(grant, None)
         if slot is None:
             return
         self._words[slot, _SEQ] = int(self._words[slot, _SEQ]) + 1  # odd: gone
@@ -325,7 +325,7 @@ def find_grant(
 
     ``board``: a copy of the server's board, or of a window of it, or a map of it;
     its offset 0 is the server's ``board_address``. Allows: live (even seq), the
-    token's ``digest``, every block id in the slot's, the read's prompt digest if
+    grant's ``digest``, every block id in the slot's, the read's prompt digest if
     the grant names one, ``now`` before the deadline, and the caches where ``place``
     (from the go the reader copies by) says.
 
@@ -344,8 +344,8 @@ def find_grant(
         start += SLOT_NBYTES
         if seq == 0 or seq & 1:
             continue
-        token, prompt, deadline, count, slot_place = _FIELDS.unpack_from(board, start + 8)
-        if token != digest:
+        named, prompt, deadline, count, slot_place = _FIELDS.unpack_from(board, start + 8)
+        if named != digest:
             continue
         num_blocks = count & _MAX_ID
         if num_blocks > MAX_BLOCKS or not now < deadline or not place or slot_place != place:

@@ -6,7 +6,7 @@ handshake: the server offers a ``wire.HostInfo`` (boot id, pid namespace, pid,
 the address and value of a random probe, ``ProbeCell``); the reader compares
 boot id and pid namespace with its own (``host_identity``), copies the probe
 and compares before it trusts the pid, and again after every copy (the pid
-could name another process by then; ``reading/copier.py``).
+could name another process by then; ``reading/copy_source.py``).
 
 Off (reads go through UCX) when ``AgentConfig.local_copy`` is False, when
 ``KVBRIDGE_LOCAL_COPY=0``, when ``UCX_TLS`` leaves out UCX's shared-memory

@@ -37,7 +37,7 @@ from kvbridge.transfer.errors import (
     TransferError,
 )
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext, ReadSetup
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReaderContext, ReadSetup
 from kvbridge.transfer.ucx.connection import ignore_outcome
 from kvbridge.transfer.ucx.iov import post_recv_iov
 
@@ -97,9 +97,9 @@ class DirectRead(BegunRead):
         direct = cls(link, setup, refusal, channels, result)
         try:
             # Ask first, then post the receives while the server checks the grant and
-            # posts its sends (~0.1 ms even on one host): the request leaves ~25 us
-            # sooner for a 64 KiB read over TCP. A chunk that came first anyway is
-            # kept by UCX until its receive is posted (tags match late messages).
+            # posts its sends: the request leaves sooner (docs/benchmarks.md, "Figures
+            # behind the code"). A chunk that came first anyway is kept by UCX until
+            # its receive is posted (tags match late messages).
             link.post(request)
             direct.arrivals.extend(post(chunk) for chunk in range(num_chunks))
         except BaseException as exc:

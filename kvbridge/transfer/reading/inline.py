@@ -4,7 +4,7 @@ Most reads between two processes on one host need nobody but the reader: the
 server's grant board (``protocol/grant_board.py``) says whether the grant is
 live and holds the read's blocks, the handshake (``wire.HostInfo.origins``) or
 an earlier go says where the blocks sit, and the kernel copies them
-(``copier.py``). So ``TransferAgent.start_read`` tries this first, on the thread
+(``copy_source.py``, ``copier.py``). So ``TransferAgent.start_read`` tries this first, on the thread
 that called it, before anything goes to the agent's event loop::
 
     caller: board window -> live, these blocks, this prompt (seq s)?
@@ -56,24 +56,23 @@ import numpy as np
 from kvbridge.topology import RemoteRead
 from kvbridge.transfer.errors import PeerClosedError, TransferError
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.reading.copier import (
+from kvbridge.transfer.reading.base import ItemResult
+from kvbridge.transfer.reading.copy_source import CopyRefusedError, CopySource
+from kvbridge.transfer.reading.jobs import ReadJob
+from kvbridge.transfer.reading.libc import (
     IOV_MAX,
-    CopyRefusedError,
-    CopySource,
     IovArray,
     MemmoveArgs,
     memmove,
     memmove_rows,
     zero_rows,
 )
-from kvbridge.transfer.reading.jobs import ReadJob
 from kvbridge.transfer.reading.same_host import (
     CopyShape,
     copy_shape,
     local_ranges,
     remote_ranges,
 )
-from kvbridge.transfer.reading.strategy import ItemResult
 
 if TYPE_CHECKING:
     from kvbridge.transfer.reading.link import PeerLink

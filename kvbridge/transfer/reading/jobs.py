@@ -20,7 +20,8 @@ __all__ = ["ReadJob", "ReadStats", "checked_ports"]
 @dataclass(slots=True)
 class ReadJob:
     """One ``start_read`` call (validated by the agent). Never changed once made (not
-    ``frozen``: that costs 0.75 us per read to build, a tenth of a read's Python).
+    ``frozen``: that makes each read's job slower to build; docs/benchmarks.md,
+    "Figures behind the code").
 
     ``port``: the serving engine's base port (its rank ``g`` listens on ``port +
     g``), or the port of each of its global ranks (index = rank).

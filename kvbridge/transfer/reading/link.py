@@ -1,6 +1,6 @@
 """The reading half's connection to one remote rank: ``PeerLink``.
 
-``reads.py`` opens a link the first time it reads from a remote (engine, rank),
+``links.py`` opens a link the first time a read needs a remote (engine, rank),
 keeps it while it is healthy, and opens a new one (with a new handshake and
 fresh metadata) once it died. A link runs two tasks: a dispatcher that
 receives every control message and hands replies to their waiters, and a
@@ -14,16 +14,12 @@ Waiters are keyed by ``(kind, xfer id)``: ``("data", x)`` for read ``x``'s
 answer, ``("renew", x)`` for the answer to the renewal read ``x`` asked for. One
 waiter per key: a second is refused (``ReplyPendingError``), never swapped in.
 
-Reading one plan item: the link prepares it (``strategy.prepare``), picks its
-strategy (``_strategy``: staged, direct or same-host copy, one module each)
-and from then on only drives it through the interface they share
-(``strategy.BegunRead``: begin, finish or abandon). Strategies use the link's
+Reading one plan item: the link prepares it (``strategy.prepare``), has
+``strategy.choose`` pick its strategy (staged, direct or same-host copy, one
+module each) and from then on only drives it through the interface they share
+(``base.BegunRead``: begin, finish or abandon). Strategies use the link's
 messaging (``send``, ``post``, ``request``, ``expect``, ``claim``, ``forget``,
 ``fail``) and nothing else of it.
-
-A little over 400 lines: the dispatcher, the waiters and the messaging the
-strategies use share the link's state (its waiters, its death); split, each
-part would reach into the other's.
 """
 
 from __future__ import annotations
@@ -47,18 +43,11 @@ from kvbridge.transfer.errors import (
 )
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import reader_handshake, recv_msg, send_msg
-from kvbridge.transfer.reading.direct import DirectRead
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReaderContext, ReadSetup
 from kvbridge.transfer.reading.jobs import ReadJob
-from kvbridge.transfer.reading.same_host import SameHostCopy, SameHostPeer
+from kvbridge.transfer.reading.same_host import SameHostPeer
 from kvbridge.transfer.reading.server_meta import check_server_meta
-from kvbridge.transfer.reading.staged import StagedRead
-from kvbridge.transfer.reading.strategy import (
-    BegunRead,
-    ItemResult,
-    ReaderContext,
-    ReadSetup,
-    prepare,
-)
+from kvbridge.transfer.reading.strategy import choose, prepare
 from kvbridge.transfer.ucx.connection import UcxConnection
 from kvbridge.transfer.ucx.worker import UcxWorker
 
@@ -382,19 +371,7 @@ class PeerLink:
         Raises:
             TransferError: as ``read``.
         """
-        return self._strategy(setup).begin(self, setup)
-
-    def _strategy(self, setup: ReadSetup) -> type[BegunRead]:
-        """Staged unless both caches store the blocks alike; then direct, or a
-        same-host copy when the server is on this host (and the read is at least
-        ``local_copy_min_nbytes``)."""
-        if setup.span is None:
-            return StagedRead
-        cfg = self._ctx.config
-        if (self.same_host is not None
-                and setup.direct_nbytes(self._ctx.local) >= cfg.local_copy_min_nbytes):
-            return SameHostCopy
-        return DirectRead
+        return choose(setup, self._ctx, self.same_host).begin(self, setup)
 
     def finished_now(self, begun: BegunRead) -> ItemResult | None:
         """The result of a begun read that needs no more waiting, else None.

@@ -4,9 +4,10 @@ For direct reads (``direct.py``'s conditions) from a server on this host that
 offered it (``protocol/host.py``), of ``AgentConfig.local_copy_min_nbytes`` (0:
 any size) and more. One copy beats UCX's shared memory, where the server copies
 every byte into a FIFO and the reader out of it; and it costs the server's process
-no CPU per byte. The copy itself is ``copier.py``'s. Most such reads never get
-here: ``inline.py`` makes them on the caller's thread on the grant board's word;
-this module serves those it cannot (no board, a grant not on it, a large read).
+no CPU per byte. The copy itself is ``copier.py``'s (out of ``copy_source.py``'s
+server). Most such reads never get here: ``inline.py`` makes them on the
+caller's thread on the grant board's word; this module serves those it cannot
+(no board, a grant not on it, a large read).
 
 The server still decides what may be read: the reader asks as for any direct
 read, and the server checks the grant, pins it and answers ``CopyGo`` (where
@@ -63,16 +64,11 @@ from kvbridge.transfer.errors import (
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.grant_board import BoardSpot
-from kvbridge.transfer.reading.copier import (
-    Copier,
-    CopyRefusedError,
-    CopyRun,
-    CopySource,
-    IovArray,
-    zero_rows,
-)
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReadSetup
+from kvbridge.transfer.reading.copier import Copier, CopyRun
+from kvbridge.transfer.reading.copy_source import CopyRefusedError, CopySource
 from kvbridge.transfer.reading.direct import direct_request
-from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReadSetup
+from kvbridge.transfer.reading.libc import IovArray, zero_rows
 
 if TYPE_CHECKING:
     from kvbridge.transfer.reading.link import PeerLink

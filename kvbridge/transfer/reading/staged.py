@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbridge.kernels import WireFormat, on_device, unpack
+from kvbridge.kernels import PackedFormat, on_device, unpack
 from kvbridge.topology import KVLayout, RemoteRead
 from kvbridge.transfer.blocks.staging import Buffer, as_tensor
 from kvbridge.transfer.errors import PeerClosedError, ProtocolError
 from kvbridge.transfer.protocol import wire
-from kvbridge.transfer.reading.strategy import BegunRead, ItemResult, ReaderContext, ReadSetup
+from kvbridge.transfer.reading.base import BegunRead, ItemResult, ReaderContext, ReadSetup
 from kvbridge.transfer.reading.tokens import TokenWindow
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class StagedRead(BegunRead):
 
     async def finish(self) -> ItemResult:
         link, ctx = self.link, self.link.ctx
-        item, request, wire_fmt = self.setup.item, self.setup.request, self.setup.wire_fmt
+        item, request, packed_fmt = self.setup.item, self.setup.request, self.setup.packed_fmt
         xfer_id, chunk_blocks = request.xfer_id, request.chunk_blocks
         num_blocks = len(request.block_ids)
         num_chunks = math.ceil(num_blocks / chunk_blocks)
@@ -60,17 +60,17 @@ class StagedRead(BegunRead):
                 link.post_quietly(wire.CopyDone(xfer_id, False))
             raise ProtocolError(f"{type(header).__name__} from {link.peer} answers "
                                 f"staged read {xfer_id}")
-        if (header.num_chunks, header.total_nbytes) != (num_chunks, wire_fmt.nbytes(num_blocks)):
+        if (header.num_chunks, header.total_nbytes) != (num_chunks, packed_fmt.nbytes(num_blocks)):
             error = ProtocolError(
                 f"server plans {header.num_chunks} chunks / {header.total_nbytes} bytes, "
-                f"expected {num_chunks} / {wire_fmt.nbytes(num_blocks)}"
+                f"expected {num_chunks} / {packed_fmt.nbytes(num_blocks)}"
             )
             link.fail(error)
             raise error
         window = min(ctx.config.window_chunks, num_chunks, ctx.pool.num_buffers)
-        chunk_nbytes = chunk_blocks * wire_fmt.block_nbytes
+        chunk_nbytes = chunk_blocks * packed_fmt.block_nbytes
         bufs = await ctx.pool.acquire(chunk_nbytes, window, timeout_s=ctx.config.chunk_timeout_s)
-        receiver = _ChunkReceiver(link, ctx, xfer_id, wire_fmt, bufs, num_blocks, chunk_blocks)
+        receiver = _ChunkReceiver(link, ctx, xfer_id, packed_fmt, bufs, num_blocks, chunk_blocks)
         try:
             await receiver.run(item, self.setup.local_block_ids, self.setup.tokens)
         except BaseException:
@@ -78,7 +78,7 @@ class StagedRead(BegunRead):
             receiver.give_back(broken=True)
             raise
         receiver.give_back(broken=False)
-        return ItemResult(wire_fmt.nbytes(num_blocks), 3 + 2 * num_chunks)
+        return ItemResult(packed_fmt.nbytes(num_blocks), 3 + 2 * num_chunks)
 
     def abandon(self) -> None:
         pass  # nothing was sent or posted before ``finish``
@@ -88,10 +88,10 @@ class _ChunkReceiver:
     """Posts, awaits and unpacks the chunks of one read through a window of buffers."""
 
     def __init__(
-        self, link: PeerLink, ctx: ReaderContext, xfer_id: int, wire_fmt: WireFormat,
+        self, link: PeerLink, ctx: ReaderContext, xfer_id: int, packed_fmt: PackedFormat,
         bufs: list[Buffer], num_blocks: int, chunk_blocks: int,
     ) -> None:
-        self.link, self.ctx, self.xfer_id, self.wire_fmt = link, ctx, xfer_id, wire_fmt
+        self.link, self.ctx, self.xfer_id, self.packed_fmt = link, ctx, xfer_id, packed_fmt
         self.bufs, self.num_blocks, self.chunk_blocks = bufs, num_blocks, chunk_blocks
         self.num_chunks = math.ceil(num_blocks / chunk_blocks)
         self.unpacking: concurrent.futures.Future[None] | None = None  # the last unpack
@@ -101,7 +101,7 @@ class _ChunkReceiver:
 
     def _post(self, chunk: int) -> asyncio.Future[None]:
         buf = self.bufs[chunk % len(self.bufs)]
-        nbytes = self.wire_fmt.nbytes(self._blocks_in(chunk))
+        nbytes = self.packed_fmt.nbytes(self._blocks_in(chunk))
         return self.link.conn.post_recv(buf[:nbytes], wire.channel_of(self.xfer_id, chunk))
 
     async def run(
@@ -113,18 +113,18 @@ class _ChunkReceiver:
         await self.link.send(wire.Credit(self.xfer_id, window))
         layers = local.layers[item.local_layers.start : item.local_layers.stop]
         local_ids = list(local_block_ids[tokens.first_local_block :])
-        block_tokens = self.chunk_blocks * self.wire_fmt.block_size
+        block_tokens = self.chunk_blocks * self.packed_fmt.block_size
         for chunk in range(self.num_chunks):
             arrived = posted.pop(chunk)
             await self.link.conn.wait(arrived, timeout_s=cfg.chunk_timeout_s, what="chunk")
             buf = self.bufs[chunk % window]
             blocks = self._blocks_in(chunk)
             src_offset, chunk_tokens, token_offset = tokens.in_chunk(
-                chunk * block_tokens, blocks * self.wire_fmt.block_size
+                chunk * block_tokens, blocks * self.packed_fmt.block_size
             )
-            staged = as_tensor(buf[: self.wire_fmt.nbytes(blocks)])
+            staged = as_tensor(buf[: self.packed_fmt.nbytes(blocks)])
             self.unpacking = self.ctx.executor.submit(
-                _unpack, staged, self.wire_fmt, blocks, layers, local_ids,
+                _unpack, staged, self.packed_fmt, blocks, layers, local_ids,
                 local.topology.layout, item.local_head_offset, chunk_tokens, token_offset,
                 src_offset,
             )
@@ -164,7 +164,7 @@ def _retrieved(future: asyncio.Future[None]) -> None:
 
 
 def _unpack(
-    staged: torch.Tensor, wire_fmt: WireFormat, num_blocks: int, layers: list[torch.Tensor],
+    staged: torch.Tensor, packed_fmt: PackedFormat, num_blocks: int, layers: list[torch.Tensor],
     local_ids: list[int], layout: KVLayout, head_offset: int, num_tokens: int, token_offset: int,
     src_token_offset: int,
 ) -> None:
@@ -172,7 +172,7 @@ def _unpack(
         return
     with on_device(staged):  # unpacked before the buffer takes the next chunk
         unpack(
-            staged, wire_fmt, num_blocks, layers, local_ids, layout,
+            staged, packed_fmt, num_blocks, layers, local_ids, layout,
             head_offset=head_offset, num_tokens=num_tokens, token_offset=token_offset,
             src_token_offset=src_token_offset,
         )

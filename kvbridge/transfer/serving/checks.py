@@ -110,22 +110,22 @@ def read_budget_s(cfg: AgentConfig, req: wire.ReadRequest) -> float:
 
 
 def pin(
-    ctx: ServerContext, token: str, req: wire.ReadRequest, read: ServedRead
+    ctx: ServerContext, grant: str, req: wire.ReadRequest, read: ServedRead
 ) -> tuple[R, str] | None:
-    """Pin grant ``token`` for ``req`` (``begin_read``), or say why the read may not go on.
+    """Pin grant ``grant`` for ``req`` (``begin_read``), or say why the read may not go on.
 
     Returns None with the grant pinned (the caller must ``end_read`` it) and
     ``read.deadline`` set (``read_budget_s`` from now), else ``(reason,
     message)`` for the ``Reject`` with nothing pinned.
     """
     try:
-        grant = ctx.grants.begin_read(token, req.block_ids)
+        held = ctx.grants.begin_read(grant, req.block_ids)
     except grant_errors.GrantError as exc:
         return grant_reason(exc), str(exc)
-    if grant.prompt_digest is not None and not hmac.compare_digest(
-        grant.prompt_digest, req.prompt_digest
+    if held.prompt_digest is not None and not hmac.compare_digest(
+        held.prompt_digest, req.prompt_digest
     ):
-        ctx.grants.end_read(token)
+        ctx.grants.end_read(grant)
         return R.PROMPT_MISMATCH, "the grant holds the KV of another prompt"
     read.deadline = ctx.clock.now() + read_budget_s(ctx.config, req)
     return None

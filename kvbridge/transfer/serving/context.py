@@ -2,9 +2,9 @@
 
 ``ServerContext`` is built once by the agent (``agent.py``) and passed to every
 session (``session.py``); a ``Session`` is what one open connection has in
-flight. The engine hands the grant token to D before its workers have issued
-it (the token travels in the HTTP answer while the next engine step issues
-it), so a read or done report naming an unknown token waits up to
+flight. The engine hands the grant to D before its workers have issued it
+(the grant travels in the HTTP answer while the next engine step issues it),
+so a read or done report naming an unknown grant waits up to
 ``grant_wait_s`` for it (``await_grant``), woken by ``grant_issued``.
 
 The number of readers to expect is only known once D's first reader says who
@@ -95,8 +95,8 @@ class ServedRead:
     the credit per chunk.
     """
 
-    def __init__(self, token: str) -> None:
-        self.token = token  # the grant the reader named
+    def __init__(self, grant: str) -> None:
+        self.grant = grant  # the grant the reader named (its string)
         self.deadline: float | None = None
         self.credit = 0
         self.changed = asyncio.Event()
@@ -140,10 +140,10 @@ def grant_issued(ctx: ServerContext) -> None:
     woken.set()
 
 
-async def await_grant(ctx: ServerContext, token: str, num_readers: int) -> None:
-    """Wait for grant ``token`` to be issued.
+async def await_grant(ctx: ServerContext, grant: str, num_readers: int) -> None:
+    """Wait for grant ``grant`` to be issued.
 
-    Returns as soon as the table knows the token (live or released), else after
+    Returns as soon as the table knows the grant (live or released), else after
     ``grant_wait_s`` (the caller's grant call then raises ``UnknownGrantError``).
     A live grant issued without a reader count gets ``num_readers``. Woken by
     ``grant_issued``; it also looks every ``_GRANT_POLL_S`` (grants issued on the
@@ -151,15 +151,15 @@ async def await_grant(ctx: ServerContext, token: str, num_readers: int) -> None:
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.grant_wait_s
-    while not ctx.grants.is_known(token) and (left_s := deadline - loop.time()) > 0:
+    while not ctx.grants.is_known(grant) and (left_s := deadline - loop.time()) > 0:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(left_s, _GRANT_POLL_S)):
                 await ctx.issued.wait()
     # unknown or released: the grant call that follows says so
-    fix_readers(ctx, token, num_readers)
+    fix_readers(ctx, grant, num_readers)
 
 
-def fix_readers(ctx: ServerContext, token: str, num_readers: int) -> None:
+def fix_readers(ctx: ServerContext, grant: str, num_readers: int) -> None:
     """Give a live grant issued without a reader count this session's (else nothing)."""
     with contextlib.suppress(grant_errors.GrantError):
-        ctx.grants.set_expected_readers(token, num_readers)
+        ctx.grants.set_expected_readers(grant, num_readers)

@@ -39,10 +39,10 @@ class CopyHold:
     """
 
     def __init__(
-        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, token: str,
+        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, grant: str,
         session: Session,
     ) -> None:
-        self._ctx, self._req, self._token, self._session = ctx, req, token, session
+        self._ctx, self._req, self._grant, self._session = ctx, req, grant, session
         self._ended = False
         local = ctx.local
         span = head_span(local, req.head_start, req.head_end)
@@ -77,6 +77,6 @@ class CopyHold:
             ctx.num_bytes_served += direct_nbytes(ctx.local, req)
             ctx.num_reads_served += 1
         ctx.num_holds -= 1
-        ctx.grants.end_read(self._token)
+        ctx.grants.end_read(self._grant)
         self._session.holds.pop(req.xfer_id, None)
         self._session.reads.pop(req.xfer_id, None)

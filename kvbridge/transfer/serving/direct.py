@@ -48,10 +48,10 @@ class DirectSends:
     """
 
     def __init__(
-        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, token: str,
+        self, ctx: ServerContext, conn: UcxConnection, req: wire.ReadRequest, grant: str,
         reads: dict[int, ServedRead],
     ) -> None:
-        self._ctx, self._conn, self._req, self._token, self._reads = ctx, conn, req, token, reads
+        self._ctx, self._conn, self._req, self._grant, self._reads = ctx, conn, req, grant, reads
         self._ended = False
         self._timer: asyncio.TimerHandle | None = None
         sends: list[asyncio.Future[None]] = []
@@ -93,7 +93,7 @@ class DirectSends:
         else:
             logger.info("read %d for %s failed: %s", req.xfer_id, self._conn.peer, error)
             self._conn.abort()  # the reader may hold posted receives for chunks we never send
-        ctx.grants.end_read(self._token)
+        ctx.grants.end_read(self._grant)
         self._reads.pop(req.xfer_id, None)
 
 

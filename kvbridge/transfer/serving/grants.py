@@ -1,10 +1,10 @@
 """The sending side's table of finished prefills whose blocks are held for readers.
 
 When P finishes a prefill, the connector keeps the request's KV blocks and calls
-``GrantTable.issue``; the returned ``Grant.token`` travels to D in
-``kv_transfer_params``. P's transfer agent checks every incoming read against the
-table, counts readers as they report, and the table releases the grant exactly
-once, for one of three reasons:
+``GrantTable.issue``; the returned ``Grant.grant``, the secret string that names
+the grant, travels to D in ``kv_transfer_params``. P's transfer agent checks
+every incoming read against the table, counts readers as they report, and the
+table releases the grant exactly once, for one of three reasons:
 
     done     every expected reader (count from topology) reported done or failed
     expired  the lease ran out first (``expire()``, driven by the agent's timer)
@@ -44,25 +44,23 @@ count is known are kept and counted then.
 Times are the table's ``Clock`` (monotonic, local to this process). Tell a peer
 how long it has (``expires_at - clock.now()``), never the ``expires_at`` value.
 
-A grant has one token, the one readers present: the issuer's (an engine picks one
-per request and shares it across its ranks, ``issue(token=...)``: 16 to 256
-characters, unique among live and remembered grants, and unguessable, e.g.
-``secrets.token_urlsafe(16)``), or else the table's own ``secrets.token_urlsafe(16)``:
-128 random bits as a 22-character JSON-safe ``str``. Every method looks a grant
-up by that token. Lookup is a dict lookup by token, after a length check (a
-peer's string of any other length is unknown without being hashed). That does
-not leak a token through timing: ``str`` hashing is SipHash with a per-process
-random key, so the bucket a guess lands in tells nothing about live tokens, and
-string equality runs only after a full 64-bit hash match, which a wrong guess
-practically never reaches. Guessing a live 128-bit token succeeds with
-probability about 2**-128 per try.
+A grant is named by one secret string, the one readers present (``grant`` in
+every signature, message and ``kv_transfer_params``): the issuer's (an engine
+picks one per request and shares it across its ranks, ``issue(grant=...)``: 16
+to 256 characters, unique among live and remembered grants, and unguessable,
+e.g. ``secrets.token_urlsafe(16)``), or else the table's own
+``secrets.token_urlsafe(16)``: 128 random bits as a 22-character JSON-safe
+``str``. Every method looks a grant up by that string. Lookup is a dict lookup,
+after a length check (a peer's string of any other length is unknown without
+being hashed). That does not leak a grant through timing: ``str`` hashing is
+SipHash with a per-process random key, so the bucket a guess lands in tells
+nothing about live grants, and string equality runs only after a full 64-bit
+hash match, which a wrong guess practically never reaches. Guessing a live
+128-bit grant succeeds with probability about 2**-128 per try.
 
 Thread safety: every public method takes one internal lock and does no I/O and
 no callbacks under it (``on_release`` runs after it is let go), so the agent's
 event loop thread and the connector's thread may both call the table.
-
-One class under one lock, whose invariants (``check_integrity``) span every
-method.
 
 Example::
 
@@ -70,14 +68,14 @@ Example::
     from kvbridge.transfer.serving.grants import GrantTable
 
     table = GrantTable(MonotonicClock(), default_lease_s=30.0, max_lease_s=120.0)
-    grant = table.issue("req-1", block_ids=[4, 9, 2], num_expected_readers=2)
-    # ... grant.token goes to D; on P, for each incoming read:
-    table.begin_read(grant.token, [4, 9])        # raises GrantError subclasses
+    grant = table.issue("req-1", block_ids=[4, 9, 2], num_expected_readers=2).grant
+    # ... the grant goes to D; on P, for each incoming read:
+    table.begin_read(grant, [4, 9])              # raises GrantError subclasses
     ...                                          # pack and send the blocks; a long
-    table.renew(grant.token, 30.0, until=t_end)  # read renews (t_end: its deadline)
-    table.end_read(grant.token)
-    table.reader_done(grant.token, "engine-d:0")
-    table.reader_done(grant.token, "engine-d:1")  # -> True, release queued
+    table.renew(grant, 30.0, until=t_end)        # read renews (t_end: its deadline)
+    table.end_read(grant)
+    table.reader_done(grant, "engine-d:0")
+    table.reader_done(grant, "engine-d:1")       # -> True, release queued
     for release in table.drain_released():        # connector frees the blocks
         print(release.request_id, release.block_ids, release.reason)
 """
@@ -101,11 +99,11 @@ from kvbridge.transfer.protocol.grant_board import GrantBoard
 
 ReleaseReason = Literal["done", "expired", "revoked"]
 
-TOKEN_NBYTES = 16
+GRANT_NBYTES = 16
 MAX_DIGEST_NBYTES = 64
-TOKEN_LEN = len(secrets.token_urlsafe(TOKEN_NBYTES))  # 22 characters: the table's own
-MIN_TOKEN_LEN = 16  # an issuer's token (see the module doc)
-MAX_TOKEN_LEN = 256  # as long as the wire lets a grant name be (``wire.Name``)
+GRANT_LEN = len(secrets.token_urlsafe(GRANT_NBYTES))  # 22 characters: the table's own
+MIN_GRANT_LEN = 16  # an issuer's grant string (see the module doc)
+MAX_GRANT_LEN = 256  # as long as the wire lets a grant name be (``wire.Name``)
 _NUM_IDS_IN_MESSAGE = 8
 
 
@@ -114,7 +112,7 @@ class GrantError(KVBridgeError):
 
 
 class UnknownGrantError(GrantError):
-    """No live grant has this token (never issued, or already released)."""
+    """No live grant is named so (never issued, or already released)."""
 
 
 class ExpiredGrantError(GrantError):
@@ -134,14 +132,14 @@ class NoReadInFlightError(GrantError):
 
 
 class DuplicateGrantError(GrantError):
-    """A live grant already exists for this request id, or has (or had) this token."""
+    """A live grant already exists for this request id, or is (or was) named so."""
 
 
 @dataclass(frozen=True, slots=True)
 class Grant:
     """A snapshot of one grant. ``renew`` makes a new snapshot; this one never changes."""
 
-    token: str
+    grant: str
     request_id: str
     block_ids: tuple[int, ...]
     expires_at: float
@@ -172,7 +170,7 @@ class GrantStats:
 
 @dataclass(slots=True)
 class _Entry:
-    grant: Grant
+    snapshot: Grant
     block_set: frozenset[int]
     reader_failed: dict[str, bool] = field(default_factory=dict)  # reader id -> failed?
     num_active_reads: int = 0
@@ -180,14 +178,14 @@ class _Entry:
     latest_expiry: float = math.inf  # issue time + max_lease_s: no renewal goes past it
 
 
-def _token_len_ok(token: str) -> bool:
-    """Whether a grant may have this token's length (checked before hashing a peer's)."""
-    return MIN_TOKEN_LEN <= len(token) <= MAX_TOKEN_LEN
+def _grant_len_ok(grant: str) -> bool:
+    """Whether a grant string may be this long (checked before hashing a peer's)."""
+    return MIN_GRANT_LEN <= len(grant) <= MAX_GRANT_LEN
 
 
-def _short(token: str) -> str:
-    # Tokens are secrets and peers send arbitrary strings: log only a short prefix.
-    return repr(token[:6] + "...")
+def _short(grant: str) -> str:
+    # Grants are secrets and peers send arbitrary strings: log only a short prefix.
+    return repr(grant[:6] + "...")
 
 
 def _check_lease(lease_s: float) -> None:
@@ -203,7 +201,7 @@ class GrantTable:
         default_lease_s: lease of ``issue`` when none is given.
         max_lease_s: no grant ever expires later than ``max_lease_s`` after its
             ``issue`` (nor does ``issue`` give a longer lease).
-        num_tombstones: how many released tokens to remember, so that a late
+        num_tombstones: how many released grants to remember, so that a late
             read of an expired grant gets ``ExpiredGrantError`` and a late done
             report returns ``False`` instead of raising.
         on_release: called (outside the lock, by the thread that caused it)
@@ -238,9 +236,9 @@ class GrantTable:
         self._on_release = on_release
         self._num_releases = 0
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}  # token -> entry
-        self._token_by_request: dict[str, str] = {}
-        # (expires_at, token); stale items (renewed/released) are skipped lazily.
+        self._entries: dict[str, _Entry] = {}  # grant -> entry
+        self._grant_by_request: dict[str, str] = {}
+        # (expires_at, grant); stale items (renewed/released) are skipped lazily.
         self._expiry_heap: list[tuple[float, str]] = []
         self._released: list[Release] = []
         self._tombstones: OrderedDict[str, ReleaseReason] = OrderedDict()
@@ -269,9 +267,9 @@ class GrantTable:
         num_expected_readers: int | None,
         lease_s: float | None = None,
         prompt_digest: bytes | None = None,
-        token: str | None = None,
+        grant: str | None = None,
     ) -> Grant:
-        """Hold ``block_ids`` for ``request_id`` under ``token`` (default: a new random one).
+        """Hold ``block_ids`` for ``request_id`` under ``grant`` (default: a new random one).
 
         Args:
             request_id: the request on P; at most one live grant per request.
@@ -281,20 +279,20 @@ class GrantTable:
             lease_s: lease length; ``default_lease_s`` when None, capped at ``max_lease_s``.
             prompt_digest: ``security.prompt_digest`` of the prompt the blocks hold;
                 the server refuses reads naming another prompt. None: unbound.
-            token: the token readers will present, chosen by the issuer (an engine
+            grant: the string readers will present, chosen by the issuer (an engine
                 shares one across its ranks); it must be unguessable. None: the
                 table draws one (a 22-character url-safe ``str``).
 
         Returns:
-            The new grant; ``token`` is the one every other method takes.
+            The new grant; its ``grant`` string is what every other method takes.
 
         Raises:
             ConfigError: empty request id, ``num_expected_readers < 1``, a bad lease,
-                negative / repeated block ids, or a ``token`` that is not a ``str``
-                of ``MIN_TOKEN_LEN`` to ``MAX_TOKEN_LEN`` characters.
+                negative / repeated block ids, or a ``grant`` that is not a ``str``
+                of ``MIN_GRANT_LEN`` to ``MAX_GRANT_LEN`` characters.
             TypeError: a block id is not an integer.
             DuplicateGrantError: ``request_id`` already has a live grant, or
-                ``token`` names a live grant or a released one still remembered
+                ``grant`` names a live grant or a released one still remembered
                 (a late read of that one must not open this one).
         """
         if not request_id:
@@ -305,9 +303,9 @@ class GrantTable:
             raise ConfigError(
                 f"prompt_digest must have 1..{MAX_DIGEST_NBYTES} bytes, got {len(prompt_digest)}"
             )
-        if token is not None and not (isinstance(token, str) and _token_len_ok(token)):
-            length = len(token) if isinstance(token, str) else type(token).__name__
-            raise ConfigError(f"grant token must have >= {MIN_TOKEN_LEN} and <= {MAX_TOKEN_LEN} "
+        if grant is not None and not (isinstance(grant, str) and _grant_len_ok(grant)):
+            length = len(grant) if isinstance(grant, str) else type(grant).__name__
+            raise ConfigError(f"a grant must have >= {MIN_GRANT_LEN} and <= {MAX_GRANT_LEN} "
                               f"characters, got {length}")
         lease = self._default_lease_s if lease_s is None else lease_s
         _check_lease(lease)
@@ -319,34 +317,35 @@ class GrantTable:
         if len(block_set) != len(ids):
             raise ConfigError(f"{len(ids) - len(block_set)} repeated block ids in {request_id!r}")
         with self._lock:
-            if request_id in self._token_by_request:
+            if request_id in self._grant_by_request:
                 raise DuplicateGrantError(f"request {request_id!r} already has a live grant")
-            if token is None:
-                token = secrets.token_urlsafe(TOKEN_NBYTES)
-                while token in self._entries or token in self._tombstones:  # ~never
-                    token = secrets.token_urlsafe(TOKEN_NBYTES)
-            elif token in self._entries or token in self._tombstones:
+            if grant is None:
+                grant = secrets.token_urlsafe(GRANT_NBYTES)
+                while grant in self._entries or grant in self._tombstones:  # ~never
+                    grant = secrets.token_urlsafe(GRANT_NBYTES)
+            elif grant in self._entries or grant in self._tombstones:
                 raise DuplicateGrantError(
-                    f"token {_short(token)} of request {request_id!r} is (or was) another "
-                    f"grant's"
+                    f"grant {_short(grant)} of request {request_id!r} is (or was) another "
+                    f"request's"
                 )
             now = self._clock.now()
             expires_at = now + min(lease, self._max_lease_s)
-            grant = Grant(token, request_id, ids, expires_at, num_expected_readers, prompt_digest)
-            self._entries[token] = _Entry(grant, block_set,
+            snapshot = Grant(grant, request_id, ids, expires_at, num_expected_readers,
+                             prompt_digest)
+            self._entries[grant] = _Entry(snapshot, block_set,
                                           latest_expiry=now + self._max_lease_s)
             if self._board is not None:
-                self._board.publish(token, ids, expires_at - self._clock.now(), prompt_digest)
-            self._token_by_request[request_id] = token
-            self._push_expiry(expires_at, token)
+                self._board.publish(grant, ids, expires_at - self._clock.now(), prompt_digest)
+            self._grant_by_request[request_id] = grant
+            self._push_expiry(expires_at, grant)
             self._num_held_blocks += len(ids)
             self._num_issued += 1
-            return grant
+            return snapshot
 
     # ---------------------------------------------------------------- reading
 
-    def validate_read(self, token: str, block_ids: Sequence[int]) -> Grant:
-        """Check that a read of ``block_ids`` under ``token`` is allowed now.
+    def validate_read(self, grant: str, block_ids: Sequence[int]) -> Grant:
+        """Check that a read of ``block_ids`` under ``grant`` is allowed now.
 
         Does not pin the grant; use ``begin_read`` when the read will follow.
 
@@ -354,14 +353,14 @@ class GrantTable:
             The grant's current snapshot.
 
         Raises:
-            UnknownGrantError: no live grant has this token (or it was released).
+            UnknownGrantError: no live grant is named ``grant`` (or it was released).
             ExpiredGrantError: the lease ran out (even if ``expire()`` has not run).
             BlockNotGrantedError: some ids are not in the grant; the message lists a few.
         """
         with self._lock:
-            return self._check_read(token, block_ids).grant
+            return self._check_read(grant, block_ids).snapshot
 
-    def begin_read(self, token: str, block_ids: Sequence[int]) -> Grant:
+    def begin_read(self, grant: str, block_ids: Sequence[int]) -> Grant:
         """Validate like ``validate_read``, then pin the grant until ``end_read``.
 
         While pinned, a release (done, expired or revoked) is decided but
@@ -371,25 +370,25 @@ class GrantTable:
             The errors of ``validate_read``; the grant is then not pinned.
         """
         with self._lock:
-            entry = self._check_read(token, block_ids)
+            entry = self._check_read(grant, block_ids)
             entry.num_active_reads += 1
-            return entry.grant
+            return entry.snapshot
 
-    def end_read(self, token: str) -> None:
+    def end_read(self, grant: str) -> None:
         """Unpin one ``begin_read``; queue a deferred release if this was the last.
 
         Raises:
-            GrantError: no ``begin_read`` of this token is outstanding.
+            GrantError: no ``begin_read`` of this grant is outstanding.
         """
         with self._releasing():
-            entry = self._entries.get(token)
+            entry = self._entries.get(grant)
             if entry is None or entry.num_active_reads == 0:
-                raise GrantError(f"end_read of grant {_short(token)} without begin_read")
+                raise GrantError(f"end_read of grant {_short(grant)} without begin_read")
             entry.num_active_reads -= 1
             if entry.closing is not None and entry.num_active_reads == 0:
                 self._release(entry, entry.closing)
 
-    def renew(self, token: str, lease_s: float, *, until: float) -> float:
+    def renew(self, grant: str, lease_s: float, *, until: float) -> float:
         """Extend a live grant's lease, for a read of it in flight, to ``now + lease_s``.
 
         Never shortens the lease; never moves it past ``until`` (the deadline of
@@ -409,8 +408,8 @@ class GrantTable:
         _check_lease(lease_s)
         with self._lock:
             now = self._clock.now()
-            entry = self._live_entry(token, now)
-            g = entry.grant
+            entry = self._live_entry(grant, now)
+            g = entry.snapshot
             if entry.num_active_reads == 0:
                 raise NoReadInFlightError(
                     f"grant of request {g.request_id!r} has no read in flight: its lease is "
@@ -420,13 +419,13 @@ class GrantTable:
             bound = min(now + min(lease_s, self._max_lease_s), until, entry.latest_expiry)
             expires_at = max(g.expires_at, bound)
             if expires_at != g.expires_at:
-                entry.grant = replace(g, expires_at=expires_at)
-                self._push_expiry(expires_at, token)
+                entry.snapshot = replace(g, expires_at=expires_at)
+                self._push_expiry(expires_at, grant)
                 if self._board is not None:
-                    self._board.renew(token, expires_at - now)
+                    self._board.renew(grant, expires_at - now)
             return expires_at
 
-    def set_expected_readers(self, token: str, num_expected_readers: int) -> bool:
+    def set_expected_readers(self, grant: str, num_expected_readers: int) -> bool:
         """Fix the reader count of a grant issued with ``num_expected_readers=None``.
 
         The first call wins; later calls (other readers of the same engine
@@ -438,30 +437,30 @@ class GrantTable:
 
         Raises:
             ConfigError: ``num_expected_readers < 1``.
-            UnknownGrantError: no grant (live or being released) has this token.
+            UnknownGrantError: no grant (live or being released) is named ``grant``.
         """
         if num_expected_readers < 1:
             raise ConfigError(f"num_expected_readers must be >= 1, got {num_expected_readers}")
         with self._releasing():
-            entry = self._entries.get(token) if _token_len_ok(token) else None
+            entry = self._entries.get(grant) if _grant_len_ok(grant) else None
             if entry is None:
-                raise UnknownGrantError(f"no grant with token {_short(token)}")
-            if entry.grant.num_expected_readers is not None:
+                raise UnknownGrantError(f"no grant {_short(grant)}")
+            if entry.snapshot.num_expected_readers is not None:
                 return False
-            entry.grant = replace(entry.grant, num_expected_readers=num_expected_readers)
+            entry.snapshot = replace(entry.snapshot, num_expected_readers=num_expected_readers)
             self._maybe_done(entry)
             return True
 
-    def is_known(self, token: str) -> bool:
-        """Whether ``token`` names a grant that is live or was released (and remembered)."""
-        if not _token_len_ok(token):
+    def is_known(self, grant: str) -> bool:
+        """Whether ``grant`` names a grant that is live or was released (and remembered)."""
+        if not _grant_len_ok(grant):
             return False
         with self._lock:
-            return token in self._entries or token in self._tombstones
+            return grant in self._entries or grant in self._tombstones
 
     # ---------------------------------------------------------------- releasing
 
-    def reader_done(self, token: str, reader_id: str) -> bool:
+    def reader_done(self, grant: str, reader_id: str) -> bool:
         """Record that reader ``reader_id`` (e.g. ``"engine-d:1"``) finished.
 
         Repeated reports from one reader count once. Reports are accepted even
@@ -474,13 +473,13 @@ class GrantTable:
 
         Raises:
             ConfigError: empty ``reader_id``.
-            UnknownGrantError: the token was never issued (or is long forgotten).
+            UnknownGrantError: the grant was never issued (or is long forgotten).
         """
-        return self._report(token, reader_id, failed=False)
+        return self._report(grant, reader_id, failed=False)
 
-    def reader_failed(self, token: str, reader_id: str) -> bool:
+    def reader_failed(self, grant: str, reader_id: str) -> bool:
         """Like ``reader_done``, for a reader that gave up; counted in ``stats()``."""
-        return self._report(token, reader_id, failed=True)
+        return self._report(grant, reader_id, failed=True)
 
     def expire(self, now: float | None = None) -> list[Release]:
         """Release every grant whose lease ran out by ``now`` (default: the clock).
@@ -495,11 +494,11 @@ class GrantTable:
             now = self._clock.now() if now is None else now
             expired: list[Release] = []
             while self._expiry_heap and self._expiry_heap[0][0] <= now:
-                expires_at, token = heapq.heappop(self._expiry_heap)
-                entry = self._entries.get(token)
+                expires_at, grant = heapq.heappop(self._expiry_heap)
+                entry = self._entries.get(grant)
                 if entry is None or entry.closing is not None:
                     continue
-                if entry.grant.expires_at != expires_at:
+                if entry.snapshot.expires_at != expires_at:
                     continue  # renewed; a later heap item stands for it
                 self._close(entry, "expired")
                 if entry.num_active_reads == 0:
@@ -514,10 +513,10 @@ class GrantTable:
             live grant or its release was already decided.
         """
         with self._releasing():
-            token = self._token_by_request.get(request_id)
-            if token is None:
+            grant = self._grant_by_request.get(request_id)
+            if grant is None:
                 return False
-            entry = self._entries[token]
+            entry = self._entries[grant]
             if entry.closing is not None:
                 return False
             self._close(entry, "revoked")
@@ -578,20 +577,20 @@ class GrantTable:
 
     def _check_integrity_locked(self) -> None:
         entries = self._entries
-        by_request = {e.grant.request_id: t for t, e in entries.items()}
-        if by_request != self._token_by_request or len(by_request) != len(entries):
+        by_request = {e.snapshot.request_id: t for t, e in entries.items()}
+        if by_request != self._grant_by_request or len(by_request) != len(entries):
             raise IntegrityError(
-                f"{len(entries)} grants but {len(self._token_by_request)} request ids indexed"
+                f"{len(entries)} grants but {len(self._grant_by_request)} request ids indexed"
             )
-        num_blocks = sum(len(e.grant.block_ids) for e in entries.values())
+        num_blocks = sum(len(e.snapshot.block_ids) for e in entries.values())
         if num_blocks != self._num_held_blocks:
             raise IntegrityError(f"grants hold {num_blocks} blocks, counter says "
                                  f"{self._num_held_blocks}")
         heap_items = set(self._expiry_heap)
-        for token, e in entries.items():
-            g = e.grant
-            if token != g.token or len(e.block_set) != len(g.block_ids):
-                raise IntegrityError(f"grant {g.request_id!r}: token or block set mismatch")
+        for grant, e in entries.items():
+            g = e.snapshot
+            if grant != g.grant or len(e.block_set) != len(g.block_ids):
+                raise IntegrityError(f"grant {g.request_id!r}: name or block set mismatch")
             if e.num_active_reads < 0 or (e.closing is not None and e.num_active_reads == 0):
                 raise IntegrityError(f"grant {g.request_id!r}: {e.num_active_reads} active "
                                      f"reads while closing={e.closing}")
@@ -602,9 +601,9 @@ class GrantTable:
             if g.expires_at > e.latest_expiry:
                 raise IntegrityError(f"grant {g.request_id!r} expires at {g.expires_at}, past "
                                      f"its latest {e.latest_expiry}")
-            if e.closing is None and (g.expires_at, token) not in heap_items:
+            if e.closing is None and (g.expires_at, grant) not in heap_items:
                 raise IntegrityError(f"grant {g.request_id!r}: expiry {g.expires_at} not queued")
-            if token in self._tombstones:
+            if grant in self._tombstones:
                 raise IntegrityError(f"grant {g.request_id!r} is both live and released")
         if len(self._tombstones) > self._num_tombstones:
             raise IntegrityError(f"{len(self._tombstones)} tombstones > {self._num_tombstones}")
@@ -613,29 +612,29 @@ class GrantTable:
             raise IntegrityError(f"{self._num_issued} issued != {num_released} released + "
                                  f"{len(entries)} live")
 
-    def _check_read(self, token: str, block_ids: Sequence[int]) -> _Entry:
-        entry = self._live_entry(token, self._clock.now())
+    def _check_read(self, grant: str, block_ids: Sequence[int]) -> _Entry:
+        entry = self._live_entry(grant, self._clock.now())
         outside = [b for b in block_ids if b not in entry.block_set]
         if outside:
             raise BlockNotGrantedError(
                 f"{len(outside)} of {len(block_ids)} requested block ids are not in the "
-                f"grant of request {entry.grant.request_id!r}, e.g. "
+                f"grant of request {entry.snapshot.request_id!r}, e.g. "
                 f"{outside[:_NUM_IDS_IN_MESSAGE]}"
             )
         return entry
 
-    def _live_entry(self, token: str, now: float) -> _Entry:
-        if not _token_len_ok(token):  # before hashing an arbitrary peer string
-            raise UnknownGrantError(f"no grant with token {_short(token)}")
-        entry = self._entries.get(token)
+    def _live_entry(self, grant: str, now: float) -> _Entry:
+        if not _grant_len_ok(grant):  # before hashing an arbitrary peer string
+            raise UnknownGrantError(f"no grant {_short(grant)}")
+        entry = self._entries.get(grant)
         if entry is None:
-            reason = self._tombstones.get(token)
+            reason = self._tombstones.get(grant)
             if reason == "expired":
-                raise ExpiredGrantError(f"grant {_short(token)} expired and was released")
+                raise ExpiredGrantError(f"grant {_short(grant)} expired and was released")
             if reason is not None:
-                raise UnknownGrantError(f"grant {_short(token)} was already released ({reason})")
-            raise UnknownGrantError(f"no grant with token {_short(token)}")
-        g = entry.grant
+                raise UnknownGrantError(f"grant {_short(grant)} was already released ({reason})")
+            raise UnknownGrantError(f"no grant {_short(grant)}")
+        g = entry.snapshot
         if entry.closing == "expired" or now >= g.expires_at:
             raise ExpiredGrantError(
                 f"grant of request {g.request_id!r} expired at {g.expires_at:.3f} (now {now:.3f})"
@@ -646,15 +645,15 @@ class GrantTable:
             )
         return entry
 
-    def _report(self, token: str, reader_id: str, *, failed: bool) -> bool:
+    def _report(self, grant: str, reader_id: str, *, failed: bool) -> bool:
         if not reader_id:
             raise ConfigError("reader_id must be a non-empty string")
         with self._releasing():
-            entry = self._entries.get(token) if _token_len_ok(token) else None
+            entry = self._entries.get(grant) if _grant_len_ok(grant) else None
             if entry is None:
-                if _token_len_ok(token) and token in self._tombstones:
+                if _grant_len_ok(grant) and grant in self._tombstones:
                     return False
-                raise UnknownGrantError(f"no grant with token {_short(token)}")
+                raise UnknownGrantError(f"no grant {_short(grant)}")
             if reader_id not in entry.reader_failed:
                 entry.reader_failed[reader_id] = failed
                 self._num_readers[failed] += 1
@@ -662,7 +661,7 @@ class GrantTable:
 
     def _maybe_done(self, entry: _Entry) -> bool:
         """Decide the release when every expected reader reported; True if decided now."""
-        expected = entry.grant.num_expected_readers
+        expected = entry.snapshot.num_expected_readers
         if entry.closing is not None or expected is None or len(entry.reader_failed) < expected:
             return False
         self._close(entry, "done")
@@ -684,32 +683,32 @@ class GrantTable:
         """Decide the release; off the board at once (no new read may start)."""
         entry.closing = reason
         if self._board is not None:
-            self._board.withdraw(entry.grant.token)
+            self._board.withdraw(entry.snapshot.grant)
 
     def _release(self, entry: _Entry, reason: ReleaseReason) -> Release:
         self._num_releases += 1
-        g = entry.grant
+        g = entry.snapshot
         if self._board is not None:
-            self._board.withdraw(g.token)
-        del self._entries[g.token]
-        del self._token_by_request[g.request_id]
+            self._board.withdraw(g.grant)
+        del self._entries[g.grant]
+        del self._grant_by_request[g.request_id]
         self._num_held_blocks -= len(g.block_ids)
         self._num_released[reason] += 1
         if self._num_tombstones > 0:
-            self._tombstones[g.token] = reason
+            self._tombstones[g.grant] = reason
             if len(self._tombstones) > self._num_tombstones:
                 self._tombstones.popitem(last=False)
         release = Release(g.request_id, g.block_ids, reason)
         self._released.append(release)
         return release
 
-    def _is_stale(self, expires_at: float, token: str) -> bool:
-        entry = self._entries.get(token)
-        return entry is None or entry.closing is not None or entry.grant.expires_at != expires_at
+    def _is_stale(self, expires_at: float, grant: str) -> bool:
+        entry = self._entries.get(grant)
+        return entry is None or entry.closing is not None or entry.snapshot.expires_at != expires_at
 
-    def _push_expiry(self, expires_at: float, token: str) -> None:
+    def _push_expiry(self, expires_at: float, grant: str) -> None:
         heap = self._expiry_heap
-        heapq.heappush(heap, (expires_at, token))
+        heapq.heappush(heap, (expires_at, grant))
         # Renewals and early releases leave stale items behind; rebuild when they dominate.
         if len(heap) > 2 * len(self._entries) + 64:
             heap[:] = [item for item in heap if not self._is_stale(*item)]

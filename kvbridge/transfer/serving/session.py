@@ -27,8 +27,9 @@ request (``_start_at_once``); callbacks unpin the grant when it ends. Anything
 else (a staged read, a grant to wait for, a problem to reject) runs in a
 task (``_serve_read``), which checks everything again and answers.
 
-The token a reader names is the grant table's own key (the engine's token is
-issued as is, ``GrantTable.issue(token=...)``): no second namespace to map.
+The grant a reader names is the grant table's own key (the engine's grant
+string is issued as is, ``GrantTable.issue(grant=...)``): no second namespace
+to map.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     hold = session.holds.get(xfer_id)
                     if hold is not None:  # else: its hold already ended
                         hold.end(served=ok)
-                case wire.ReadDone(grant=token, reader_id=reader_id, ok=ok):
+                case wire.ReadDone(grant=grant, reader_id=reader_id, ok=ok):
                     if msg.copied_nbytes:  # a copy on the board's word: counted only
                         ctx.num_board_copies += 1
                         ctx.num_reads_served += 1
@@ -131,7 +132,7 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                     # Not cancelled with the session: a reader may say goodbye right
                     # after its report, and the report must still count.
                     report = asyncio.create_task(
-                        _reader_done(ctx, token, reader_id, ok, num_readers)
+                        _reader_done(ctx, grant, reader_id, ok, num_readers)
                     )
                     ctx.reports.add(report)
                     report.add_done_callback(ctx.reports.discard)
@@ -157,14 +158,14 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
 
 
 async def _reader_done(
-    ctx: ServerContext, token: str, reader_id: str, ok: bool, num_readers: int
+    ctx: ServerContext, grant: str, reader_id: str, ok: bool, num_readers: int
 ) -> None:
-    await await_grant(ctx, token, num_readers)
+    await await_grant(ctx, grant, num_readers)
     try:
         if ok:
-            ctx.grants.reader_done(token, reader_id)
+            ctx.grants.reader_done(grant, reader_id)
         else:
-            ctx.grants.reader_failed(token, reader_id)
+            ctx.grants.reader_failed(grant, reader_id)
     except grant_errors.GrantError as exc:  # e.g. a long-forgotten grant: nothing to do
         logger.info("done report from %s ignored: %s", reader_id, exc)
 
@@ -182,22 +183,22 @@ async def _renew(
     expired, being released; checked first) fails that read on the reader's
     side; ``NO_READ`` extends nothing and leaves the read to its own outcome.
     """
-    token, xfer_id = msg.grant, msg.xfer_id
+    grant, xfer_id = msg.grant, msg.xfer_id
     read = session.reads.get(xfer_id)
     try:
-        # ``read.token`` came from this same peer: comparing it with == leaks nothing.
-        if read is None or read.deadline is None or read.token != token:
-            ctx.grants.validate_read(token, ())  # a grant that is gone says so first
+        # ``read.grant`` came from this same peer: comparing it with == leaks nothing.
+        if read is None or read.deadline is None or read.grant != grant:
+            ctx.grants.validate_read(grant, ())  # a grant that is gone says so first
             raise grant_errors.NoReadInFlightError(
                 f"this connection serves no read {xfer_id} of the grant: a lease is renewed "
                 f"only for a read in flight, up to that read's deadline"
             )
-        expires_at = ctx.grants.renew(token, msg.lease_s, until=read.deadline)
+        expires_at = ctx.grants.renew(grant, msg.lease_s, until=read.deadline)
     except grant_errors.GrantError as exc:
         await reject(conn, ctx.codec, grant_reason(exc), str(exc), xfer_id, renewal=True)
         return
     remaining = max(0.0, expires_at - ctx.clock.now())
-    reply = wire.LeaseRenewed(token, remaining, xfer_id)
+    reply = wire.LeaseRenewed(grant, remaining, xfer_id)
     await send_msg(conn, ctx.codec, reply, ctx.config.reply_timeout_s)
 
 
@@ -211,10 +212,10 @@ async def _serve_read(
         reads.pop(req.xfer_id, None)
         await reject(conn, ctx.codec, R.BAD_REQUEST, bad, req.xfer_id)
         return
-    token = req.grant
-    await await_grant(ctx, token, num_readers)
+    grant = req.grant
+    await await_grant(ctx, grant, num_readers)
     read = reads[req.xfer_id]
-    refusal = pin(ctx, token, req, read)
+    refusal = pin(ctx, grant, req, read)
     if refusal is not None:
         reads.pop(req.xfer_id, None)
         if refusal[0] is R.PROMPT_MISMATCH:
@@ -223,10 +224,10 @@ async def _serve_read(
         await reject(conn, ctx.codec, *refusal, req.xfer_id)
         return
     if req.local_copy:
-        CopyHold(ctx, conn, req, token, session)
+        CopyHold(ctx, conn, req, grant, session)
         return
     if req.direct:
-        DirectSends(ctx, conn, req, token, reads)
+        DirectSends(ctx, conn, req, grant, reads)
         return
     try:
         await _send_staged(ctx, conn, req, read)
@@ -235,7 +236,7 @@ async def _serve_read(
         logger.info("read %d for %s failed: %s", req.xfer_id, conn.peer, exc)
         conn.abort()  # the reader may hold posted receives for chunks we never send
     finally:
-        ctx.grants.end_read(token)
+        ctx.grants.end_read(grant)
         reads.pop(req.xfer_id, None)
 
 
@@ -276,14 +277,14 @@ def _start_at_once(
         return False
     if problem(ctx, req) is not None:
         return False
-    token = req.grant
-    if not ctx.grants.is_known(token):
+    grant = req.grant
+    if not ctx.grants.is_known(grant):
         return False
-    fix_readers(ctx, token, num_readers)
-    if pin(ctx, token, req, session.reads[req.xfer_id]) is not None:
+    fix_readers(ctx, grant, num_readers)
+    if pin(ctx, grant, req, session.reads[req.xfer_id]) is not None:
         return False
     if req.local_copy:
-        CopyHold(ctx, conn, req, token, session)
+        CopyHold(ctx, conn, req, grant, session)
     else:
-        DirectSends(ctx, conn, req, token, session.reads)
+        DirectSends(ctx, conn, req, grant, session.reads)
     return True

@@ -1,4 +1,4 @@
-"""Wire layout of a packed KV buffer, and the typed error every kernel launcher raises.
+"""How a packed KV buffer is laid out: ``PackedFormat``.
 
 The sender's :func:`kvbridge.kernels.pack` writes, and the receiver's
 :func:`kvbridge.kernels.unpack` reads, one contiguous buffer per transfer::
@@ -15,31 +15,25 @@ The sender's :func:`kvbridge.kernels.pack` writes, and the receiver's
                    2 * head_size: each head's K^T | V run of a vLLM CPU block, as it is)
 
 Pack therefore does no relayout (it is a pure gather); the receiver fixes layout,
-block size and head offset in its single unpack pass. The transfer agent sends a
-:class:`WireFormat` in its handshake metadata so the receiver can size buffers.
+block size and head offset in its single unpack pass. The reader builds the
+sender's :class:`PackedFormat` from the handshake metadata
+(``transfer/reading/strategy.py`` ``prepare``) to size its buffers and unpack.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.errors import ConfigError
+from kvbridge.kernels.errors import KernelInputError
 from kvbridge.topology import KVLayout
 
-__all__ = ["KernelInputError", "WireFormat"]
+__all__ = ["PackedFormat"]
 
 _ELEM_NBYTES = (1, 2, 4, 8)
 
 
-class KernelInputError(ConfigError):
-    """A kernel launcher got tensors, ids or ranges it cannot work with.
-
-    The message names the offending values; nothing has been written when it is raised.
-    """
-
-
 @dataclass(frozen=True, slots=True)
-class WireFormat:
+class PackedFormat:
     """Shape of a packed buffer as the sender laid it out.
 
     Attributes:
@@ -68,23 +62,23 @@ class WireFormat:
         for name in ("block_size", "num_heads", "head_dim", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise KernelInputError(f"WireFormat.{name} must be a positive int, got {value!r}")
+                raise KernelInputError(f"PackedFormat.{name} must be a positive int, got {value!r}")
         if self.elem_nbytes not in _ELEM_NBYTES:
             raise KernelInputError(
-                f"WireFormat.elem_nbytes must be one of {_ELEM_NBYTES}, got {self.elem_nbytes!r}"
+                f"PackedFormat.elem_nbytes must be one of {_ELEM_NBYTES}, got {self.elem_nbytes!r}"
             )
         if self.is_mla and self.num_heads != 1:
-            raise KernelInputError(f"an MLA wire format has num_heads 1, got {self.num_heads}")
+            raise KernelInputError(f"an MLA packed format has num_heads 1, got {self.num_heads}")
         object.__setattr__(self, "layout", KVLayout.parse(self.layout))
         if self.fused_kv and (self.is_mla or self.layout is not KVLayout.HND):
             raise KernelInputError(
-                f"a fused K/V wire format is HND and not MLA, got {self.layout}, "
+                f"a fused K/V packed format is HND and not MLA, got {self.layout}, "
                 f"is_mla {self.is_mla}"
             )
 
     @property
     def num_kv(self) -> int:
-        """Tensors per layer on the wire: 2 (K and V), or 1 for MLA and fused K/V."""
+        """Tensors per layer in the buffer: 2 (K and V), or 1 for MLA and fused K/V."""
         return 1 if self.is_mla or self.fused_kv else 2
 
     @property
