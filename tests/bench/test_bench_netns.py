@@ -57,10 +57,8 @@ def _labs_of(pid: int) -> list[str]:
 @needs_netns
 def test_netns_run_reports_tcp_between_two_hosts_and_removes_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    started = time.monotonic()
     code = kvbridge_main(["bench", "transfer", "--netns", "--peers", "ucx_perftest",
                           "--pieces", "1,16", "--no-plot", "--out", str(tmp_path)])
-    elapsed_s = time.monotonic() - started
     assert code == 0
     assert not _labs_of(os.getpid())
     assert not (tmp_path / "transfer.json").exists()  # the loopback run's file is left alone
@@ -82,7 +80,6 @@ def test_netns_run_reports_tcp_between_two_hosts_and_removes_them(
     assert all(r["gbps_median"] > 0 for r in perftest)
     out = capsys.readouterr().out
     assert "two netns hosts over TCP (UCX_TLS=tcp)" in out and "x ucx_perftest" in out
-    assert elapsed_s < 60, f"took {elapsed_s:.0f} s"
 
 
 @needs_netns
