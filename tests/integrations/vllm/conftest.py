@@ -34,6 +34,57 @@ MAX_SERVERS = 3  # ~3 GB resident each on a 24 GiB machine, with room for the re
 TinyModelFactory = Callable[..., Path]
 
 
+#: The order this package's modules run in (the rest after them, by name). Each server
+#: start costs ~30 s of CI's 2 cores; the pool keeps three running, so a module placed
+#: right after the one that started its servers starts none (see each module's
+#: docstring for the servers it shares):
+#: colocated starts the bf16 reference and test_pd.py's P and D together; test_pd,
+#: test_pd_api, test_pd_faults, test_pd_dp and test_pd_kv_dtype share that P (the
+#: last uses it as the D of another cache dtype), test_pd_faults the mixed server and
+#: the small P test_pd.py leaves (``pd.small_p_spec``); the hybrid families and the MoE pair
+#: are their own; test_pd_mla's dense-D test starts test_pd_tp.py's TP 1 and TP 2
+#: servers together; test_proxy_xpyd, test_router and test_router_faults share
+#: ``pd.router_specs``.
+MODULE_ORDER = (
+    "test_facts", "test_groups", "test_settings", "test_stats",  # no server
+    "test_colocated", "test_pd", "test_pd_api", "test_pd_faults", "test_pd_dp",
+    "test_pd_kv_dtype", "test_pd_hybrid", "test_pd_moe", "test_pd_mla", "test_pd_tp",
+    "test_proxy_xpyd", "test_router", "test_router_faults",
+)
+
+
+#: ``import vllm`` in a child (``vllm_importable``), started once this package's tests
+#: are collected: it then runs beside the tests before them (~10 s of CI's wall time).
+_probe: subprocess.Popen[str] | None = None
+
+
+def _start_probe() -> subprocess.Popen[str]:
+    global _probe
+    if _probe is None:
+        _probe = subprocess.Popen([sys.executable, "-c", "import vllm"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _probe
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run this package's tests in ``MODULE_ORDER`` (a stable sort of its own items, in
+    the place they hold among the session's; other packages' items keep theirs), and
+    start the ``import vllm`` probe if any will run."""
+    here = Path(__file__).parent
+    ours = [i for i, item in enumerate(items) if item.path.parent == here]
+    if ours and not config.option.collectonly:
+        _start_probe()
+    rank = {name: index for index, name in enumerate(MODULE_ORDER)}
+
+    def key(index: int) -> tuple[int, str]:
+        stem = items[index].path.stem
+        return rank.get(stem, len(rank)), stem
+
+    reordered = [items[i] for i in sorted(ours, key=key)]
+    for slot, item in zip(ours, reordered, strict=True):
+        items[slot] = item
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Add the servers' notable log lines to the report of a test that failed."""
@@ -47,15 +98,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session", autouse=True)
 def vllm_importable() -> None:
     """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) every test here if vllm does not import."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300
-    )
+    probe = _start_probe()
+    try:
+        _, stderr = probe.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        _, stderr = probe.communicate()
     if probe.returncode == 0:
         return
-    error = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
+    error = stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
     reason = f"`import vllm` fails in {sys.executable}: {error[0]}"
     if os.environ.get(REQUIRE_VLLM_ENV) == "1":
-        pytest.fail(f"{reason}\n{probe.stderr[-4000:]}", pytrace=False)
+        pytest.fail(f"{reason}\n{stderr[-4000:]}", pytrace=False)
     pytest.skip(f"{reason} (set {REQUIRE_VLLM_ENV}=1 to fail instead)")
 
 
@@ -113,13 +167,25 @@ def vllm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     """Every vLLM server; all stopped after the last test of this package.
 
     Package, not session, scope: `make test` runs the rest of the suite after
-    these, and idle servers would hold their ~3 GB each through it.
+    these, and idle servers would hold their ~3 GB each through it. At the end, one
+    line in the terminal says how many servers started and how long tests waited for
+    them (the package's share of CI's time: keep it small).
     """
     pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"), max_servers=MAX_SERVERS)
     try:
         yield pool
     finally:
         pool.close()
+        _summaries.append(pool.summary())
+
+
+_summaries: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The pool's line on its starts (``ServerPool.summary``), at the end of the run."""
+    for line in _summaries:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -138,9 +138,11 @@ def spec(model: Path, family: Family, instance: str) -> ServerSpec:
 
 def servers(vllm_servers: ServersForTest, models: Callable[[Family], Path],
             family: Family) -> tuple[VllmServer, VllmServer]:
+    """The family's P and D, started together (two starts on two cores take little more
+    than one)."""
     model = models(family)
-    return vllm_servers.shared(spec(model, family, "p")), vllm_servers.shared(
-        spec(model, family, "d"))
+    p, d = vllm_servers.shared_all(spec(model, family, "p"), spec(model, family, "d"))
+    return p, d
 
 
 def colocated(p: VllmServer, prompt: list[int]) -> list[int]:
