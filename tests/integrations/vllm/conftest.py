@@ -9,6 +9,13 @@
   A failed test's report ends with its servers' warnings and errors (CI keeps
   no log files).
 
+CI time (the whole `make test` must stay well under 40 min on 2 cores): server starts
+are most of this package's time. Modules run in ``MODULE_ORDER`` so that servers are
+reused, servers a module needs start together (``shared_all``: two or three starts at
+once on two cores take little more than one), and the run ends with a line on how many
+servers started and how long the tests waited for them. The models (``PREBUILT``) and
+the ``import vllm`` check run while the tests before this package run.
+
 Every test here needs ``import vllm`` to work (checked once, in a child
 process, so vLLM never loads into the pytest process). If it does not, the
 tests are skipped with the import error, unless ``KVBRIDGE_REQUIRE_VLLM=1``
