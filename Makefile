@@ -36,7 +36,7 @@ pytest: setup setup-vllm test-hosts
 
 # Lint (mypy: about a minute on one core) runs beside the suite once everything is
 # installed: pytest's collection and first tests leave the other core mostly idle.
-# Either failing fails `make test` (the other still runs to its end).
+# Either failing fails `make test` (once one fails, one already running runs to its end).
 test: setup setup-vllm
 	$(MAKE) --no-print-directory -j2 lint pytest
 
