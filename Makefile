@@ -34,7 +34,11 @@ test-hosts:
 pytest: setup setup-vllm test-hosts
 	KVBRIDGE_REQUIRE_VLLM=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-test: lint pytest
+# Lint (mypy: about a minute on one core) runs beside the suite once everything is
+# installed: pytest's collection and first tests leave the other core mostly idle.
+# Either failing fails `make test` (once one fails, one already running runs to its end).
+test: setup setup-vllm
+	$(MAKE) --no-print-directory -j2 lint pytest
 
 # Peers for the side-by-side transfer benchmark (optional: a peer that cannot be
 # installed is reported as "unavailable: <reason>"). --no-deps keeps torch as is.

@@ -9,6 +9,13 @@
   A failed test's report ends with its servers' warnings and errors (CI keeps
   no log files).
 
+CI time (the whole `make test` must stay well under 40 min on 2 cores): server starts
+are most of this package's time. Modules run in ``MODULE_ORDER`` so that servers are
+reused, servers a module needs start together (``shared_all``: two or three starts at
+once on two cores take little more than one), and the run ends with a line on how many
+servers started and how long the tests waited for them. The models (``PREBUILT``) and
+the ``import vllm`` check run while the tests before this package run.
+
 Every test here needs ``import vllm`` to work (checked once, in a child
 process, so vLLM never loads into the pytest process). If it does not, the
 tests are skipped with the import error, unless ``KVBRIDGE_REQUIRE_VLLM=1``
@@ -18,9 +25,13 @@ tests are skipped with the import error, unless ``KVBRIDGE_REQUIRE_VLLM=1``
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,6 +43,153 @@ REQUIRE_VLLM_ENV = "KVBRIDGE_REQUIRE_VLLM"
 MAX_SERVERS = 3  # ~3 GB resident each on a 24 GiB machine, with room for the rest
 
 TinyModelFactory = Callable[..., Path]
+
+
+#: The order this package's modules run in (the rest after them, by name). Each server
+#: start costs ~30 s of CI's 2 cores; the pool keeps three running, so a module placed
+#: right after the one that started its servers starts none (see each module's
+#: docstring for the servers it shares):
+#: colocated starts the bf16 reference and test_pd.py's P and D together; test_pd,
+#: test_pd_api, test_pd_faults, test_pd_dp and test_pd_kv_dtype share that P (the
+#: last uses it as the D of another cache dtype), test_pd_faults the mixed server and
+#: the small P test_pd.py leaves (``pd.small_p_spec``); the hybrid families and the MoE pair
+#: are their own; test_pd_mla's dense-D test starts test_pd_tp.py's TP 1 and TP 2
+#: servers together; test_proxy_xpyd, test_router and test_router_faults share
+#: ``pd.router_specs``.
+MODULE_ORDER = (
+    "test_facts", "test_groups", "test_settings", "test_stats",  # no server
+    "test_colocated", "test_pd", "test_pd_api", "test_pd_faults", "test_pd_dp",
+    "test_pd_kv_dtype", "test_pd_hybrid", "test_pd_moe", "test_pd_mla", "test_pd_tp",
+    "test_proxy_xpyd", "test_router", "test_router_faults",
+)
+
+
+#: ``import vllm`` in a child (``vllm_importable``), started once this package's tests
+#: are collected: it then runs beside the tests before them (~10 s of CI's wall time).
+_probe: subprocess.Popen[str] | None = None
+
+
+def _start_probe() -> subprocess.Popen[str]:
+    global _probe
+    if _probe is None:
+        _probe = subprocess.Popen([sys.executable, "-c", "import vllm"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _probe
+
+
+#: A model build: (folder name, module of kvbridge.integrations.vllm, its arguments with
+#: ``OUT`` for the folder).
+ModelBuild = tuple[str, str, tuple[str, ...]]
+OUT = "{out}"
+
+
+def llama_build(dtype: str = "bfloat16", initializer_range: float = 0.02, seed: int = 0,
+                kind: str = "llama") -> ModelBuild:
+    """``tiny_model_factory``'s build of a tiny Llama (``tiny_model``) or of another
+    family (``tiny_families --kind KIND``, e.g. "mla": DeepSeek-V2)."""
+    module, kind_args = ("tiny_model", ()) if kind == "llama" else ("tiny_families",
+                                                                     ("--kind", kind))
+    name = "llama" if kind == "llama" else kind
+    return (f"tiny-{name}-{dtype}-{initializer_range}-{seed}", module,
+            (OUT, *kind_args, "--dtype", dtype, "--initializer-range", str(initializer_range),
+             "--seed", str(seed)))
+
+
+def hybrid_build(kind: str) -> ModelBuild:
+    """test_pd_hybrid.py's build of a hybrid model (``tiny_hybrid KIND``)."""
+    return f"tiny-{kind}", "tiny_hybrid", (kind, OUT)
+
+
+#: Built one after another on a thread once this package's server tests are collected
+#: (each takes a few seconds of one core, then spent beside the tests before them):
+#: every model a module of the package serves, in the order the modules need them.
+PREBUILT: tuple[ModelBuild, ...] = (
+    llama_build("bfloat16"), hybrid_build("gemma3"), hybrid_build("qwen3_next"),
+    llama_build("float32", 0.2, kind="moe"), llama_build("float32", 0.02, kind="mla"),
+    llama_build("float32", 0.2),
+)
+
+
+class ModelBuilds:
+    """Tiny models, each built once by ``python -m kvbridge.integrations.vllm.MODULE`` in a
+    child (transformers stays out of this process) into a folder of its own.
+
+    ``prebuild`` queues builds on one thread; ``get`` returns a build's folder, waiting
+    for it if it runs, running it here if it has not started (never behind others).
+    """
+
+    def __init__(self) -> None:
+        self._root = Path(tempfile.mkdtemp(prefix="kvb-tiny-models-"))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-build")
+        self._builds: dict[ModelBuild, Future[Path]] = {}
+        self._lock = threading.Lock()
+
+    def _run(self, build: ModelBuild) -> Path:
+        name, module, args = build
+        out = self._root / name
+        shutil.rmtree(out, ignore_errors=True)  # what a cancelled or failed try left
+        out.mkdir()
+        argv = [sys.executable, "-m", f"kvbridge.integrations.vllm.{module}",
+                *(str(out) if arg == OUT else arg for arg in args)]
+        subprocess.run(argv, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+        return out
+
+    def prebuild(self, builds: Iterable[ModelBuild]) -> None:
+        with self._lock:
+            for build in builds:
+                if build not in self._builds:
+                    self._builds[build] = self._thread.submit(self._run, build)
+
+    def get(self, build: ModelBuild) -> Path:
+        with self._lock:
+            queued = self._builds.get(build)
+            if queued is None or queued.cancel():  # not started: build it here, now
+                here: Future[Path] = Future()
+                self._builds[build] = here
+            else:
+                here = queued
+        if here is not queued:
+            try:
+                here.set_result(self._run(build))
+            except BaseException as exc:
+                here.set_exception(exc)
+        return here.result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+_builds: ModelBuilds | None = None
+
+
+def model_builds() -> ModelBuilds:
+    global _builds
+    if _builds is None:
+        _builds = ModelBuilds()
+    return _builds
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run this package's tests in ``MODULE_ORDER`` (a stable sort of its own items, in
+    the place they hold among the session's; other packages' items keep theirs); if any
+    of them will run, start the ``import vllm`` probe, and if any starts servers, the
+    model builds (``PREBUILT``)."""
+    here = Path(__file__).parent
+    ours = [i for i, item in enumerate(items) if item.path.parent == here]
+    if ours and not config.option.collectonly:
+        _start_probe()
+        if any("vllm_servers" in getattr(items[i], "fixturenames", ()) for i in ours):
+            model_builds().prebuild(PREBUILT)
+    rank = {name: index for index, name in enumerate(MODULE_ORDER)}
+
+    def key(index: int) -> tuple[int, str]:
+        stem = items[index].path.stem
+        return rank.get(stem, len(rank)), stem
+
+    reordered = [items[i] for i in sorted(ours, key=key)]
+    for slot, item in zip(ours, reordered, strict=True):
+        items[slot] = item
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,53 +205,41 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session", autouse=True)
 def vllm_importable() -> None:
     """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) every test here if vllm does not import."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300
-    )
+    probe = _start_probe()
+    try:
+        _, stderr = probe.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        _, stderr = probe.communicate()
     if probe.returncode == 0:
         return
-    error = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
+    error = stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
     reason = f"`import vllm` fails in {sys.executable}: {error[0]}"
     if os.environ.get(REQUIRE_VLLM_ENV) == "1":
-        pytest.fail(f"{reason}\n{probe.stderr[-4000:]}", pytrace=False)
+        pytest.fail(f"{reason}\n{stderr[-4000:]}", pytrace=False)
     pytest.skip(f"{reason} (set {REQUIRE_VLLM_ENV}=1 to fail instead)")
 
 
 @pytest.fixture(scope="session")
-def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+def tiny_model_factory() -> TinyModelFactory:
     """``factory(dtype="bfloat16", initializer_range=0.02, seed=0, kind="llama") -> model dir``.
 
-    Each built once, by ``python -m kvbridge.integrations.vllm.tiny_model`` (Llama)
-    or ``tiny_families --kind KIND`` (e.g. "mla": DeepSeek-V2) in a few seconds,
-    so that transformers stays out of this process.
+    Each built once (``llama_build``: ``python -m kvbridge.integrations.vllm.tiny_model``
+    or ``tiny_families --kind KIND``) in a few seconds, so that transformers stays out of
+    this process; those in ``PREBUILT`` are usually built before the first test here.
     """
-    built: dict[tuple[str, float, int, str], Path] = {}
 
     def factory(dtype: str = "bfloat16", initializer_range: float = 0.02, seed: int = 0,
                 kind: str = "llama") -> Path:
-        key = (dtype, initializer_range, seed, kind)
-        if key not in built:
-            name = "llama" if kind == "llama" else kind
-            out = tmp_path_factory.mktemp(f"tiny-{name}-{dtype}-{initializer_range}-{seed}")
-            module, kind_args = (("tiny_model", []) if kind == "llama"
-                                 else ("tiny_families", ["--kind", kind]))
-            subprocess.run(
-                [
-                    sys.executable, "-m", f"kvbridge.integrations.vllm.{module}", str(out),
-                    *kind_args,
-                    "--dtype", dtype,
-                    "--initializer-range", str(initializer_range),
-                    "--seed", str(seed),
-                ],
-                cwd=REPO_ROOT,
-                check=True,
-                capture_output=True,
-                timeout=300,
-            )  # fmt: skip
-            built[key] = out
-        return built[key]
+        return model_builds().get(llama_build(dtype, initializer_range, seed, kind))
 
     return factory
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the built models (after every server that read them stopped)."""
+    if _builds is not None:
+        _builds.close()
 
 
 @pytest.fixture(scope="session")
@@ -113,13 +259,25 @@ def vllm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     """Every vLLM server; all stopped after the last test of this package.
 
     Package, not session, scope: `make test` runs the rest of the suite after
-    these, and idle servers would hold their ~3 GB each through it.
+    these, and idle servers would hold their ~3 GB each through it. At the end, one
+    line in the terminal says how many servers started and how long tests waited for
+    them (the package's share of CI's time: keep it small).
     """
     pool = ServerPool(tmp_path_factory.mktemp("vllm-logs"), max_servers=MAX_SERVERS)
     try:
         yield pool
     finally:
         pool.close()
+        _summaries.append(pool.summary())
+
+
+_summaries: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The pool's line on its starts (``ServerPool.summary``), at the end of the run."""
+    for line in _summaries:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

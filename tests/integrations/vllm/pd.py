@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -29,7 +29,7 @@ from tests.integrations.vllm.client import (
     poll_metrics,
 )
 from tests.integrations.vllm.servers import ServerSpec
-from tests.ports import free_port
+from tests.ports import free_port, free_port_base
 
 T = TypeVar("T")
 
@@ -87,15 +87,42 @@ def fp32_spec(model: Path, instance: str = "", *extra_args: str,
                       instance=instance)
 
 
+def tp_specs(model: Path) -> tuple[ServerSpec, ServerSpec]:
+    """test_pd_tp.py's TP 1 and TP 2 servers of the float32 tiny Llama, each both P and D
+    (TP 1 is ``fp32_spec(model)``); test_pd_mla.py starts them together."""
+    return (fp32_spec(model),
+            ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE, tensor_parallel_size=2,
+                       kv_transfer_config=json.dumps(ZERO_CONFIG)))
+
+
+#: router_specs' third server: its engine id, and its lease (s) on unread prefills.
+ROUTER_THIRD = "router-third"
+ROUTER_THIRD_LEASE_S = 5
+
+
+@cache
+def router_third_transfer_port() -> int:
+    """The third router server's transfer agent port, one per test run: a restart
+    (test_router_faults.py) comes back on the port its first run announced."""
+    return free_port_base(1)
+
+
 def router_specs(model: Path) -> tuple[ServerSpec, ServerSpec, ServerSpec]:
-    """test_router.py's P, D and second server (test_pd_tp.py's TP 1), which
-    test_proxy_xpyd.py shares: P with the zero config, D loading asynchronously (a
-    synchronous load the loaded CI machine makes miss its deadline fails its request
-    under vLLM's default policy; test_pd.py covers synchronous loads); both serve chat."""
+    """test_router.py's P, D and second server, which test_proxy_xpyd.py and
+    test_router_faults.py share (started together, by whichever module runs first).
+    P has the zero config, D loads asynchronously (a synchronous load the loaded CI
+    machine makes miss its deadline fails its request under vLLM's default policy;
+    test_pd.py covers synchronous loads); both serve chat. The third, a second P or a
+    second D, has the zero config plus what test_router_faults.py needs of the P it
+    kills and restarts: a fixed engine id and transfer port (``base_port``) and a short
+    lease (``ROUTER_THIRD_LEASE_S``)."""
+    third = json.loads(kv_config(base_port=router_third_transfer_port(),
+                                 lease_s=ROUTER_THIRD_LEASE_S))
+    third["engine_id"] = ROUTER_THIRD
     return (fp32_spec(model, "router-p", "--chat-template", CHAT_TEMPLATE),
             fp32_spec(model, "router-d", "--chat-template", CHAT_TEMPLATE,
                       kv_transfer_config=kv_config(sync_load_max_bytes=0)),
-            fp32_spec(model))
+            fp32_spec(model, ROUTER_THIRD, kv_transfer_config=json.dumps(third)))
 
 
 #: The mixed server's synchronous-load threshold, in blocks (larger loads are asynchronous).
@@ -110,6 +137,24 @@ def mixed_spec(model: Path) -> ServerSpec:
         model, dtype="bfloat16", block_size=BLOCK_SIZE, instance="mixed",
         kv_transfer_config=kv_config("recompute", sync_load_max_bytes=SYNC_BLOCKS * BLOCK_NBYTES,
                                      lease_s=3),
+    )
+
+
+#: The small P's KV cache, in blocks: what the longest context (8192 tokens) needs, and
+#: vLLM's null block.
+SMALL_P_BLOCKS = 65
+
+
+def small_p_spec(model: Path) -> ServerSpec:
+    """A P for tests that leave it changed: test_pd.py's cap on unread holds (a cache of
+    ``SMALL_P_BLOCKS`` blocks, a 10 s lease), then test_pd_faults.py's P that is stopped
+    and killed (no grant board: a same-host reader must ask P before it copies, so a
+    stopped P stops its reads). One server for both: the package runs test_pd_api.py,
+    which leaves it be, between them (``conftest.MODULE_ORDER``)."""
+    return ServerSpec(
+        model, dtype="bfloat16", block_size=BLOCK_SIZE, instance="small-p",
+        kv_transfer_config=kv_config(lease_s=10, agent={"grant_board": False}),
+        extra_args=("--num-gpu-blocks-override", str(SMALL_P_BLOCKS)),
     )
 
 

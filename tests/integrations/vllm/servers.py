@@ -372,6 +372,15 @@ class ServerPool:
         self._private: list[VllmServer] = []
         self._in_test: set[ServerSpec] = set()
         self._used: dict[int, VllmServer] = {}  # the current test's servers, by id
+        self.starts: list[tuple[list[str], float]] = []  # (labels, seconds) per wait
+
+    def summary(self) -> str:
+        """One line on the starts so far: how many servers, in how many waits, how long."""
+        num = sum(len(labels) for labels, _ in self.starts)
+        waited = sum(seconds for _, seconds in self.starts)
+        groups = ", ".join(f"{'+'.join(labels)} {seconds:.0f} s" for labels, seconds in self.starts)
+        return (f"vLLM servers: {num} started in {len(self.starts)} waits, "
+                f"{waited:.0f} s waited ({groups})")
 
     def begin_test(self) -> None:
         self._in_test.clear()
@@ -441,11 +450,16 @@ class ServerPool:
             self._private[self._private.index(server)] = again
         self._used.pop(id(server), None)
         self._used[id(again)] = again
+        started = time.monotonic()
         again.start()
+        self.starts.append(([again.spec.label], time.monotonic() - started))
         return again
 
     def _wait_all(self, launched: list[VllmServer]) -> None:
         """Wait for every launched server; if one fails, stop them all and raise its error."""
+        if not launched:
+            return
+        started = time.monotonic()
         try:
             for server in launched:
                 server.wait_ready()
@@ -453,6 +467,8 @@ class ServerPool:
             for server in launched:
                 server.stop()
             raise
+        finally:
+            self.starts.append(([s.spec.label for s in launched], time.monotonic() - started))
 
     def _make_room(self) -> None:
         while len(self._shared) + len(self._private) >= self._max_servers:

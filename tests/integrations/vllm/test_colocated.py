@@ -5,6 +5,9 @@ function of the prompt alone (repeated, prefix-cached, on a second server), the
 metrics parse and count what they claim, and a server that cannot start fails
 fast. At TP 2 in float32, and a stopped TP 2 server leaving no processes or
 /dev/shm files behind: ``test_pd_tp.py``, on its servers.
+
+The first server test starts test_pd.py's P and D along with the reference (the
+package runs that module next: ``conftest.MODULE_ORDER``), three starts at once.
 """
 
 from __future__ import annotations
@@ -46,11 +49,26 @@ def bf16_spec(tiny_llama: Path) -> ServerSpec:
     return ServerSpec(tiny_llama, dtype="bfloat16", block_size=BLOCK_SIZE)
 
 
+# First here: it starts (and stops) a server of its own while the pool is empty, so
+# it stops none of those the tests below start.
+def test_server_that_exits_fails_fast_with_its_log(
+    vllm_servers: ServersForTest, tmp_path: Path
+) -> None:
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    with pytest.raises(VllmServerError, match=r"exited with .* while starting") as raised:
+        vllm_servers.private(ServerSpec(not_a_model), startup_timeout_s=120)
+    assert str(not_a_model) in str(raised.value)  # the log's tail is in the message
+
+
 @pytest.mark.parametrize("num_prompt_tokens", [5, 128, 600])
 def test_same_prompt_twice_gives_same_tokens(
     vllm_servers: ServersForTest, bf16_spec: ServerSpec, num_prompt_tokens: int
 ) -> None:
-    server = vllm_servers.shared(bf16_spec)
+    # test_pd.py's P and D start together with it (three starts on two cores take less
+    # than one after the other); P serves the next test here, D runs test_pd.py
+    server, _, _ = vllm_servers.shared_all(bf16_spec, pd_spec(bf16_spec.model, "p"),
+                                           pd_spec(bf16_spec.model, "d"))
     prompt = prompt_ids(num_prompt_tokens)
 
     first = complete(server.base_url, prompt, NUM_NEW_TOKENS)
@@ -108,13 +126,3 @@ def test_metrics_count_prefix_cache_hits_and_blocks_come_back(
     assert after[PREFIX_CACHE_QUERIES] - middle[PREFIX_CACHE_QUERIES] == len(prompt)
     # Finished requests free their blocks; cached-but-unused blocks count as free.
     poll_metrics(server.base_url, lambda m: m[KV_CACHE_USAGE] == 0.0)
-
-
-def test_server_that_exits_fails_fast_with_its_log(
-    vllm_servers: ServersForTest, tmp_path: Path
-) -> None:
-    not_a_model = tmp_path / "not-a-model"
-    not_a_model.mkdir()
-    with pytest.raises(VllmServerError, match=r"exited with .* while starting") as raised:
-        vllm_servers.private(ServerSpec(not_a_model), startup_timeout_s=120)
-    assert str(not_a_model) in str(raised.value)  # the log's tail is in the message

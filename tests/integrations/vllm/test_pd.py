@@ -12,7 +12,7 @@ synchronous (read before the forward of the step that schedules it); the
 eight-at-once test runs a D whose threshold makes its larger loads
 asynchronous, so both kinds run side by side in the same steps. That server
 (``pd.mixed_spec``) is shared with test_pd_faults. The cap on unread holds runs
-on a P of its own (a small cache).
+on a P of its own (a small cache, ``pd.small_p_spec``), which test_pd_faults then kills.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tests.integrations.vllm.pd import (
     LATE_SYNC_LOADS,
     NUM_NEW_TOKENS,
     PARAMS_REFUSED,
+    SMALL_P_BLOCKS,
     SYNC_BLOCKS,
     SYNC_LOADS,
     TEXT_PROMPTS,
@@ -49,13 +50,13 @@ from tests.integrations.vllm.pd import (
     at_once,
     counters,
     first_texts,
-    kv_config,
     kvbridge_proxy,
     mixed_spec,
     pd_complete,
     pd_spec,
     prefill,
     prompt_ids,
+    small_p_spec,
     wait_usage,
     warm_up,
 )
@@ -435,16 +436,8 @@ def test_unread_prefills_are_capped_and_held_until_their_lease_ends(
     """A flood of prefills nobody reads takes at most half of P's cache (the default
     ``max_held_share``: the oldest holds go first) and new prefills still run; the
     holds left end with their lease."""
-    num_blocks = 65  # what the longest context (8192 tokens) needs, and vLLM's null block
-    spec = ServerSpec(
-        tiny_llama,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=kv_config(lease_s=10),
-        extra_args=("--num-gpu-blocks-override", str(num_blocks)),
-        instance="lease",
-    )
-    p = vllm_servers.private(spec)
+    num_blocks = SMALL_P_BLOCKS
+    p = vllm_servers.shared(small_p_spec(tiny_llama))  # test_pd_faults.py kills it later
     prompts = [prompt_ids(9 * BLOCK_SIZE - 50, seed=80 + i) for i in range(8)]  # 9 blocks each
     for prompt in prompts:  # 72 blocks held for nobody without a cap: the last would wait
         prefill(p.base_url, prompt)

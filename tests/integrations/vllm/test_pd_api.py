@@ -5,7 +5,7 @@ grant left held on P.
 
 Servers: test_pd.py's P (``pd.pd_spec``) and its second P/D server
 (``pd.mixed_spec``) as D, the two it leaves running, so that this module (run
-right after it: the name sorts there) starts none. The colocated answers come
+right after it: ``conftest.MODULE_ORDER``) starts none. The colocated answers come
 from P itself, asked without ``kv_transfer_params`` (the connector then does
 nothing). The prompts are longer than D's synchronous-load threshold: D loads
 them asynchronously, and its recompute policy cannot hide a failed load, which

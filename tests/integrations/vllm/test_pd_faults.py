@@ -34,6 +34,7 @@ from tests.integrations.vllm.pd import (
     poll_metrics,
     prefill,
     prompt_ids,
+    small_p_spec,
     wait_usage,
     warm_up,
 )
@@ -63,13 +64,13 @@ def assert_request_fails(d: VllmServer, prompt: list[int], params: dict[str, obj
 
 def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Path) -> None:
     # D: test_pd.py's mixed server (loads of up to 4 blocks synchronous, larger ones
-    # asynchronous: both kinds fail; policy recompute) and its P (the zero config: fail)
-    d_recompute, d_fail = vllm_servers.shared_all(
-        mixed_spec(tiny_llama), spec(tiny_llama, json.dumps(ZERO_CONFIG), "p"))
-    # no grant board: a same-host reader must ask P before it copies, so a stopped P
-    # stops its reads (with the board, D copies a live grant's blocks without P)
-    p = vllm_servers.private(spec(tiny_llama, kv_config(agent={"grant_board": False}),
-                                  "doomed"))
+    # asynchronous: both kinds fail; policy recompute) and its P (the zero config: fail).
+    # P: test_pd.py's small P, whose last test this is (it is stopped below); no grant
+    # board: a same-host reader must ask P before it copies, so a stopped P stops its
+    # reads (with the board, D copies a live grant's blocks without P)
+    d_recompute, d_fail, p = vllm_servers.shared_all(
+        mixed_spec(tiny_llama), spec(tiny_llama, json.dumps(ZERO_CONFIG), "p"),
+        small_p_spec(tiny_llama))
     prompts = [prompt_ids(300, seed=29), prompt_ids(650, seed=30)]  # 3 and 6 blocks
     expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
     params = [prefill(p.base_url, prompt) for prompt in prompts]

@@ -26,8 +26,6 @@ a block of any group is one page of that buffer.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ from tests.integrations.vllm.client import (
     metrics,
     poll_metrics,
 )
-from tests.integrations.vllm.conftest import REPO_ROOT
+from tests.integrations.vllm.conftest import hybrid_build, model_builds
 from tests.integrations.vllm.pd import (
     BYTES,
     FAILURES,
@@ -113,20 +111,12 @@ def families(*only: Family) -> pytest.MarkDecorator:
 
 
 @pytest.fixture(scope="module")
-def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], Path]:
-    """``factory(family) -> model dir``, each built once (in a child: no transformers here)."""
-    built: dict[str, Path] = {}
+def hybrid_models() -> Callable[[Family], Path]:
+    """``factory(family) -> model dir``, each built once (in a child: no transformers here;
+    ``conftest.PREBUILT`` has them built before this module's tests, as a rule)."""
 
     def factory(family: Family) -> Path:
-        if family.kind not in built:
-            out = tmp_path_factory.mktemp(f"tiny-{family.kind}")
-            subprocess.run(
-                [sys.executable, "-m", "kvbridge.integrations.vllm.tiny_hybrid", family.kind,
-                 str(out)],
-                cwd=REPO_ROOT, check=True, capture_output=True, timeout=300,
-            )
-            built[family.kind] = out
-        return built[family.kind]
+        return model_builds().get(hybrid_build(family.kind))
 
     return factory
 
@@ -138,9 +128,11 @@ def spec(model: Path, family: Family, instance: str) -> ServerSpec:
 
 def servers(vllm_servers: ServersForTest, models: Callable[[Family], Path],
             family: Family) -> tuple[VllmServer, VllmServer]:
+    """The family's P and D, started together (two starts on two cores take little more
+    than one)."""
     model = models(family)
-    return vllm_servers.shared(spec(model, family, "p")), vllm_servers.shared(
-        spec(model, family, "d"))
+    p, d = vllm_servers.shared_all(spec(model, family, "p"), spec(model, family, "d"))
+    return p, d
 
 
 def colocated(p: VllmServer, prompt: list[int]) -> list[int]:

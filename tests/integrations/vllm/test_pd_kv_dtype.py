@@ -8,7 +8,8 @@ request fails (vLLM's default ``kv_load_failure_policy``), never answered from
 bytes of another dtype.
 
 Servers (bf16 tiny Llama): P and D with an fp8 cache; the bf16 P of
-``test_pd.py`` as the other D (shared when it still runs).
+``test_pd.py`` as the other D (shared: the package runs this module while that P
+still runs, ``conftest.MODULE_ORDER``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ replicated on every TP rank. kvbridge moves it as it is: every D rank reads
 one replica of each block, spread over the P ranks that hold one.
 
 Three servers, each both P and D, float32: ``a`` and ``b`` at TP 1, ``t`` at
-TP 2. The reference is P's own colocated answer (a request without
+TP 2, started together. The reference is P's own colocated answer (a request without
 ``kv_transfer_params``). Both flows are checked: the classic one (D computes
 the prompt's last token) and the first-token one (``kvbridge proxy``'s: D
 continues after P's token, having loaded the whole prompt).
@@ -38,6 +38,7 @@ from tests.integrations.vllm.pd import (
     poll_metrics,
     prefill,
     prompt_ids,
+    tp_specs,
     wait_usage,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
@@ -88,7 +89,11 @@ def num_blocks(num_tokens: int) -> int:
 @pytest.fixture
 def servers_a_b(vllm_servers: ServersForTest,
                 tiny_deepseek: Path) -> tuple[VllmServer, VllmServer]:
-    a, b = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"), mla_spec(tiny_deepseek, 1, "b"))
+    # ``t`` (TP 2) starts with them: the TP tests below use it (three starts at once on
+    # two cores take less than two starts after one another)
+    a, b, _ = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"),
+                                      mla_spec(tiny_deepseek, 1, "b"),
+                                      mla_spec(tiny_deepseek, 2, "t"))
     return a, b
 
 
@@ -206,10 +211,10 @@ def test_mla_p_refuses_a_dense_d(
     vllm_servers: ServersForTest, tiny_deepseek: Path, tiny_llama_fp32: Path,
 ) -> None:
     """Params of an MLA P sent to a Llama D: refused at the handshake, the log names it."""
-    p, d = vllm_servers.shared_all(  # D: test_pd_tp.py's TP 1 server
-        mla_spec(tiny_deepseek, 1, "a"),
-        ServerSpec(tiny_llama_fp32, dtype="float32", block_size=128,
-                   kv_transfer_config=json.dumps(ZERO_CONFIG)))
+    # D: test_pd_tp.py's TP 1 server, started with its TP 2 server (the package runs
+    # test_pd_tp.py next: ``conftest.MODULE_ORDER``)
+    tp1, tp2 = tp_specs(tiny_llama_fp32)
+    p, d, _ = vllm_servers.shared_all(mla_spec(tiny_deepseek, 1, "a"), tp1, tp2)
     prompt = prompt_ids(40, seed=62)
     params = prefill(p.base_url, prompt)
     before = counters(d.base_url)

@@ -2,8 +2,9 @@
 
 Float32 tiny Llama with wide logits (greedy tokens agree between TP 1 and TP 2
 colocated, ``test_colocated.py``). Two servers, each both P and D: a TP 1 and a
-TP 2 one. The reference is P's own colocated answer (without the connector's
-params), asked before D sees the prompt: D's prefix cache must not hold it.
+TP 2 one (``pd.tp_specs``; test_pd_mla.py, run just before, starts them together).
+The reference is P's own colocated answer (without the connector's params), asked
+before D sees the prompt: D's prefix cache must not hold it.
 A D rank reads its heads from every P rank holding them: D TP 1 reads half
 its heads from each of P's two ranks (one read, counted once); each rank of
 D TP 2 reads its half from P's one rank (two reads).
@@ -11,7 +12,6 @@ D TP 2 reads its half from P's one rank (two reads).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,17 +21,16 @@ from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     NUM_NEW_TOKENS,
     TEXT_PROMPTS,
-    ZERO_CONFIG,
     answers_at_once,
     first_texts,
     kvbridge_proxy,
     pd_complete,
     prompt_ids,
+    tp_specs,
     wait_usage,
 )
 from tests.integrations.vllm.servers import (
     ServersForTest,
-    ServerSpec,
     group_pids,
     shm_mapped_by_group,
 )
@@ -40,13 +39,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # per block, whole model: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 4 bytes
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 4
-
-
-def tp_specs(model: Path) -> list[ServerSpec]:
-    """The TP 1 and TP 2 servers, each both P and D."""
-    return [ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE, tensor_parallel_size=tp,
-                       kv_transfer_config=json.dumps(ZERO_CONFIG))
-            for tp in (1, 2)]
 
 
 def test_p_and_d_with_different_tp_sizes(

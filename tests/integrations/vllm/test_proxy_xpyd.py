@@ -3,10 +3,9 @@ token, with real vLLM servers: every answer equals colocated vLLM's, token for t
 and in text.
 
 Servers: test_router.py's three (``pd.router_specs``: the float32 tiny Llama, wide
-logits), started here when the package runs whole (test_pd_tp.py leaves the
-third running) and kept for test_router.py, which sorts right after: this module
-starts no server of its own. The colocated answers are P's, asked without
-``kv_transfer_params``.
+logits), started here, together, and kept for test_router.py and
+test_router_faults.py, which run right after (``conftest.MODULE_ORDER``). The
+colocated answers are P's, asked without ``kv_transfer_params``.
 
 A D that fails is a real D behind a small HTTP front (:class:`FailingFront`):
 each request carrying P's params goes to D, which reads P's KV and answers;

@@ -14,9 +14,9 @@ Servers (``pd.router_specs``): the float32 tiny Llama (wide logits: no near
 ties). P and D here also serve chat (vLLM's built-in ChatML template: the tiny
 model has none); P has the zero config, D loads asynchronously; the colocated
 answers are P's, asked without ``kv_transfer_params``. The second P of the
-two-P test, and the second D of the two-D test, is test_pd_tp.py's TP 1
-server, still running when the whole package runs (test_proxy_xpyd.py, run
-just before, uses the same three).
+two-P test, and the second D of the two-D test, is the third server, the P that
+test_router_faults.py (run next) kills (test_proxy_xpyd.py, run just before,
+starts the three together).
 The router runs as the real program, a child process on a free port.
 """
 
@@ -65,8 +65,8 @@ BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 4
 def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path
             ) -> tuple[VllmServer, VllmServer, VllmServer]:
     """P, D and the second P (``pd.router_specs``), asked for together by every test
-    here: the pool then keeps the second P (running already when the package runs
-    whole) while it starts the other two, and stops none of them between these tests."""
+    here: the pool starts those not running together, and stops none of them between
+    these tests."""
     p, d, p2 = vllm_servers.shared_all(*router_specs(tiny_llama_fp32))
     return p, d, p2
 

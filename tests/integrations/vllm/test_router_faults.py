@@ -18,9 +18,9 @@ without an error event. Only its health checks take a dead backend out of
 rotation (and bring it back once it answers), by default after three failed
 checks a minute apart; here every second, after one (``FAST_HEALTH_CHECKS``).
 
-Servers: test_router.py's P and D (shared) and a P of this module, killed and
-restarted on the same HTTP port with the same engine id and transfer ports
-(``base_port``) and a short lease. The colocated answers are a P's, asked
+Servers: ``pd.router_specs``' three (shared with test_router.py); the third is the
+P killed and restarted on the same HTTP port with the same engine id and transfer
+ports (``base_port``), and has a short lease. The colocated answers are a P's, asked
 without ``kv_transfer_params``.
 """
 
@@ -45,10 +45,9 @@ from tests.integrations.vllm.pd import (
     FAILURES,
     HELD_REQUESTS,
     PARAMS_REFUSED,
+    ROUTER_THIRD_LEASE_S,
     TRANSFERS,
     counters,
-    fp32_spec,
-    kv_config,
     prefill,
     prompt_ids,
     router_specs,
@@ -61,15 +60,13 @@ from tests.integrations.vllm.router import (
     wait_health,
 )
 from tests.integrations.vllm.servers import ServersForTest, VllmServer
-from tests.ports import free_port_base
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(900)]
 
 NUM_TOKENS = 8
 NUM_CLIENTS = 4
 DEADLINE_S = 60.0  # every request through the router ends (answer or error) within this
-LEASE_S = 5  # the killed-and-restarted P's
-ENGINE_ID = "router-faults-p"
+LEASE_S = ROUTER_THIRD_LEASE_S  # the killed-and-restarted P's
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,23 +74,14 @@ def router_installed() -> None:
     require_router()
 
 
-@pytest.fixture(scope="module")
-def transfer_port() -> int:
-    """The restarted P's transfer agent port: the one its first run announced."""
-    return free_port_base(1)
-
-
 @pytest.fixture
-def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path, transfer_port: int
+def servers(vllm_servers: ServersForTest, tiny_llama_fp32: Path
             ) -> tuple[VllmServer, VllmServer, VllmServer]:
-    """test_router.py's P and D, and this module's P (a fixed engine id and transfer
-    port, lease ``LEASE_S``): shared, so both tests run on the same three."""
-    config = json.loads(kv_config(base_port=transfer_port, lease_s=LEASE_S))
-    config["engine_id"] = ENGINE_ID
-    doomed = fp32_spec(tiny_llama_fp32, ENGINE_ID, kv_transfer_config=json.dumps(config))
-    p_spec, d_spec, _ = router_specs(tiny_llama_fp32)
-    p, d, doomed_p = vllm_servers.shared_all(p_spec, d_spec, doomed)
-    return p, d, doomed_p
+    """test_router.py's P and D, and the third server (``pd.router_specs``: a fixed
+    engine id and transfer port, lease ``LEASE_S``): shared, so both tests run on the
+    same three."""
+    p, d, third = vllm_servers.shared_all(*router_specs(tiny_llama_fp32))
+    return p, d, third
 
 
 @dataclass(frozen=True)
