@@ -9,7 +9,7 @@ prints the one line scripts wait for once the server listens::
 
 (``--port 0`` picks a free port; the line names it.) Within
 :func:`shutdown_signals`, SIGINT or SIGTERM stops the HTTP server gracefully
-(uvicorn handles them while it serves) and then raises :class:`Shutdown`, so
+(uvicorn handles them while it serves) and then raises :class:`StopSignal`, so
 the command can stop what it started and exit with 0.
 """
 
@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 
 __all__ = [
-    "Shutdown",
+    "StopSignal",
     "Subparsers",
     "bind",
     "ignore_signals",
@@ -45,22 +45,22 @@ _STARTUP_TIMEOUT_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class Shutdown(BaseException):
+class StopSignal(BaseException):
     """SIGINT or SIGTERM arrived outside the HTTP server's own handling."""
 
 
-def _raise_shutdown(signum: int, _frame: FrameType | None) -> None:
-    raise Shutdown(signal.Signals(signum).name)
+def _raise_stop_signal(signum: int, _frame: FrameType | None) -> None:
+    raise StopSignal(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
 def shutdown_signals() -> Iterator[None]:
-    """Within: SIGINT/SIGTERM raise :class:`Shutdown`; the old handlers come back after.
+    """Within: SIGINT/SIGTERM raise :class:`StopSignal`; the old handlers come back after.
 
     uvicorn handles both signals while it serves (graceful stop) and re-raises
     the signal once stopped, which lands here.
     """
-    previous = {sig: signal.signal(sig, _raise_shutdown) for sig in _SIGNALS}
+    previous = {sig: signal.signal(sig, _raise_stop_signal) for sig in _SIGNALS}
     try:
         yield
     finally:

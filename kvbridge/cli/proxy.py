@@ -13,7 +13,7 @@ import logging
 import sys
 
 from kvbridge.cli.lifecycle import (
-    Shutdown,
+    StopSignal,
     Subparsers,
     bind,
     serve_app,
@@ -83,7 +83,7 @@ def run_proxy(args: argparse.Namespace) -> int:
                         list(config.decode_urls))
             app = build_proxy_app(config)
             return 0 if serve_app(app, sock, args.host, "proxy", args.log_level) else 1
-        except Shutdown as stop:
+        except StopSignal as stop:
             logger.info("stopping on %s", stop)
             return 0
         finally:

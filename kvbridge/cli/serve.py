@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.cli.lifecycle import (
-    Shutdown,
+    StopSignal,
     Subparsers,
     bind,
     ignore_signals,
@@ -245,7 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         f"{connector.transfer_base_port}" if connector else "off")
             app = build_app(engine, args.served_model_name)
             return 0 if serve_app(app, sock, args.host, "serve", args.log_level) else 1
-        except Shutdown as stop:
+        except StopSignal as stop:
             logger.info("stopping on %s", stop)
             return 0
         finally:

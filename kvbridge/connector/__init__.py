@@ -6,14 +6,18 @@ two halves that share one message per step, never one class switched by role:
 - :class:`~kvbridge.connector.scheduler.ConnectorScheduler` (``scheduler.py``),
   beside the engine's scheduler: how many prompt tokens a remote P already has,
   what to load once blocks are allocated, what to hold for readers when a
-  prefill ends, the ``kv_transfer_params`` to return. It never touches KV
-  memory or the network. Its docstring lists the engine's calls in order; its
+  prefill ends, the ``kv_transfer_params`` to return, and after each step
+  what the workers' output settled (``StepOutcome``: loads that ended and
+  where their valid KV stops, kept blocks to free). What to do with a failed
+  load is the host's policy (vLLM's own; the reference engine's in
+  ``kvbridge.reference.engine.remote_kv``). It never touches KV memory or
+  the network. Its docstring lists the engine's calls in order; its
   state is in ``loads.py`` (D: loads in flight) and ``held_grants.py`` (P:
   blocks held under a grant).
 - :class:`~kvbridge.connector.worker.ConnectorWorker` (``worker.py``), in each
   TP/PP worker process: owns the worker's ``TransferAgent``, carries out each
   step's :class:`~kvbridge.connector.metadata.ConnectorMetadata`
-  (``metadata.py``), and reports what finished as a ``KVConnectorOutput``
+  (``metadata.py``), and reports what finished as a ``WorkerOutput``
   (``outputs.py``).
 - :class:`~kvbridge.connector.aggregator.KVOutputAggregator`
   (``aggregator.py``): merges the workers' outputs of one step into one for the

@@ -1,7 +1,7 @@
 """Merge the per-worker connector outputs of one step into one for the scheduler.
 
 The executor calls ``KVOutputAggregator.aggregate`` once per engine step with
-the ``KVConnectorOutput`` of every worker (index = worker rank). Each worker
+the ``WorkerOutput`` of every worker (index = worker rank). Each worker
 reports a request as finished sending or receiving when *its* share of the
 transfer is done; the scheduler may only act (free P's blocks, schedule D's
 request) once the expected number of workers has reported. The aggregator keeps
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from kvbridge.connector.outputs import (
     KVCacheEventBatch,
-    KVConnectorOutput,
-    KVConnectorStats,
+    MergeableStats,
     StatsTypeError,
+    WorkerOutput,
 )
 from kvbridge.errors import ConfigError, KVBridgeError
 
@@ -136,8 +136,8 @@ class KVOutputAggregator:
         return had_sending or had_recving
 
     def aggregate(
-        self, outputs: Sequence[KVConnectorOutput | None], output_rank: int = 0
-    ) -> KVConnectorOutput | None:
+        self, outputs: Sequence[WorkerOutput | None], output_rank: int = 0
+    ) -> WorkerOutput | None:
         """Merge one step's outputs; the worker rank of an output is its index.
 
         A ``None`` entry is a worker without connector output this step.
@@ -166,7 +166,7 @@ class KVOutputAggregator:
             return None
         present = [(rank, out) for rank, out in enumerate(outputs) if out is not None]
         expected = self._announced_count(present, len(outputs))
-        stats = _merge_stats(out.kv_connector_stats for _, out in present)
+        stats = _merge_stats(out.stats for _, out in present)
         events = _combine_events(out.kv_cache_events for _, out in present)
 
         # Validation is over: from here on state changes.
@@ -180,17 +180,17 @@ class KVOutputAggregator:
         invalid_block_ids: set[int] = set()
         for _, out in present:
             invalid_block_ids |= out.invalid_block_ids
-        return KVConnectorOutput(
+        return WorkerOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
-            kv_connector_stats=None if stats is None or stats.is_empty() else stats,
+            stats=None if stats is None or stats.is_empty() else stats,
             kv_cache_events=events,
             invalid_block_ids=invalid_block_ids,
             expected_finished_count=expected,
         )
 
     def _announced_count(
-        self, present: Sequence[tuple[int, KVConnectorOutput]], num_workers: int
+        self, present: Sequence[tuple[int, WorkerOutput]], num_workers: int
     ) -> int:
         announced = {
             rank: out.expected_finished_count
@@ -208,8 +208,8 @@ class KVOutputAggregator:
         return expected
 
 
-def _merge_stats(all_stats: Iterable[KVConnectorStats | None]) -> KVConnectorStats | None:
-    merged: KVConnectorStats | None = None
+def _merge_stats(all_stats: Iterable[MergeableStats | None]) -> MergeableStats | None:
+    merged: MergeableStats | None = None
     for stats in all_stats:
         if stats is None:
             continue

@@ -68,7 +68,7 @@ from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.errors import ConfigError
 from kvbridge.topology.groups import CacheGroup, load_problem, plan_group_read
 
-__all__ = ["LoadState", "RemoteLoads"]
+__all__ = ["LoadEnd", "LoadState", "RemoteLoads"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,34 @@ class _Load:
         end_block = math.ceil(recv.end_token / block_size)
         return (recv.local_block_ids[recv.first_token // block_size : end_block]
                 + recv.missing_block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEnd:
+    """How a load ended (``RemoteLoads.finish``).
+
+    Attributes:
+        aborted: its request ended during the load: the blocks, kept until
+            now, may be freed.
+        block_ids: the request's blocks in token order, from token 0.
+        invalid_block_ids: those of them that hold no valid KV.
+    """
+
+    aborted: bool
+    block_ids: tuple[int, ...]
+    invalid_block_ids: frozenset[int]
+
+    def first_bad_token(self, block_size: int, invalid_block_ids: Iterable[int] = ()) -> int | None:
+        """Token index of the first block without valid KV (``None``: all of it arrived).
+
+        Args:
+            block_size: tokens per block.
+            invalid_block_ids: more invalid blocks (e.g. other loads' of the same
+                step), counted where the request has them.
+        """
+        bad = self.invalid_block_ids.union(invalid_block_ids)
+        index = next((i for i, block_id in enumerate(self.block_ids) if block_id in bad), None)
+        return None if index is None else index * block_size
 
 
 class RemoteLoads:
@@ -128,9 +156,6 @@ class RemoteLoads:
         self._block_owner: dict[int, str] = {}  # written block id -> loading request
         self._consumed: set[str] = set()  # remote params used up (load at most once)
         self._to_notify: list[NotifyRequest] = []
-        self._finished: set[str] = set()
-        self._invalid_block_ids: set[int] = set()
-        self._failed: dict[str, tuple[list[int], set[int]]] = {}  # request -> (ids, bad)
         self.num_started = 0  # loads dispatched to the workers
         self.num_failed = 0  # finished loads with invalid blocks
         self.num_local_hits_skipped = 0  # not read: the local prefix cache had it all
@@ -311,57 +336,24 @@ class RemoteLoads:
             else:
                 logger.warning("invalid block %d belongs to no load in flight", block_id)
 
-    def finish(self, request_id: str) -> bool:
+    def finish(self, request_id: str) -> LoadEnd | None:
         """Every worker is done with this request's load.
 
         Returns:
-            True when the request was aborted during its load: its blocks,
-            kept until now, may be freed (``take_finished_sending``). Otherwise
-            the request is among the next ``take_finished``.
+            How it ended (``None``: no such load in flight, logged).
         """
         load = self._loads.pop(request_id, None)
         if load is None:
             logger.warning("finished load of unknown request %r", request_id)
-            return False
+            return None
         written = load.written_block_ids(self.block_size)
         for block_id in written:
             self._block_owner.pop(block_id, None)
         if load.invalid_block_ids:
             self.num_failed += 1
-        if load.aborted:  # its blocks were kept only until the workers let go
-            return True
-        if load.invalid_block_ids:
-            assert load.recv is not None
-            self._failed[request_id] = (load.recv.local_block_ids, set(load.invalid_block_ids))
-            self._invalid_block_ids |= load.invalid_block_ids
-        self._finished.add(request_id)
-        return False
-
-    def take_finished(self) -> set[str]:
-        """Requests whose load ended (ok or not) since the last call."""
-        done, self._finished = self._finished, set()
-        return done
-
-    def take_invalid_block_ids(self) -> set[int]:
-        """Local block ids of finished loads that failed, since the last call."""
-        bad, self._invalid_block_ids = self._invalid_block_ids, set()
-        return bad
-
-    def first_bad_token(
-        self, request: ConnectorRequest, invalid_block_ids: Iterable[int]
-    ) -> tuple[int, set[int]] | None:
-        """Where a request whose load finished must resume computing.
-
-        Returns:
-            ``None`` when its loaded KV is complete; else the token index of its
-            first bad block and the request's bad block ids.
-        """
-        block_ids, bad = self._failed.pop(request.request_id, ([], set()))
-        bad = bad | (set(invalid_block_ids) & set(block_ids))
-        indices = [index for index, block_id in enumerate(block_ids) if block_id in bad]
-        if not indices:
-            return None
-        return indices[0] * self.block_size, bad
+        assert load.recv is not None
+        return LoadEnd(load.aborted, tuple(load.recv.local_block_ids),
+                       frozenset(load.invalid_block_ids))
 
     def end_request(self, request: ConnectorRequest) -> bool | None:
         """A request finished or was aborted: settle its load, if it asked for one.
@@ -376,7 +368,6 @@ class RemoteLoads:
             return self._end_request(request)
         finally:
             self._consumed.discard(request_id)
-            self._failed.pop(request_id, None)
 
     def _end_request(self, request: ConnectorRequest) -> bool | None:
         request_id = request.request_id

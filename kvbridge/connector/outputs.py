@@ -1,6 +1,6 @@
 """Per-worker connector output records, merged by ``KVOutputAggregator``.
 
-Each ``ConnectorWorker`` returns one ``KVConnectorOutput`` per engine step: the
+Each ``ConnectorWorker`` returns one ``WorkerOutput`` per engine step: the
 requests whose transfers finished on that worker, transfer stats, KV cache
 events and block ids that failed to load. The executor gathers one per worker
 and ``kvbridge.connector.aggregator.KVOutputAggregator`` merges them for the
@@ -21,13 +21,13 @@ class StatsTypeError(KVBridgeError, TypeError):
     """Two stats objects of different types were asked to merge."""
 
 
-class KVConnectorStats(ABC):
+class MergeableStats(ABC):
     """Transfer statistics of one worker (or several, once aggregated)."""
 
     __slots__ = ()
 
     @abstractmethod
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+    def aggregate(self, other: MergeableStats) -> MergeableStats:
         """Return new stats covering ``self`` and ``other``; neither is modified.
 
         Raises:
@@ -38,7 +38,7 @@ class KVConnectorStats(ABC):
     def is_empty(self) -> bool:
         """True when the stats record nothing (merging them changes nothing)."""
 
-    def _check_same_type(self, other: KVConnectorStats) -> None:
+    def _check_same_type(self, other: MergeableStats) -> None:
         if type(other) is not type(self):
             raise StatsTypeError(
                 f"cannot aggregate {type(self).__name__} with {type(other).__name__}"
@@ -46,7 +46,7 @@ class KVConnectorStats(ABC):
 
 
 @dataclass(slots=True)
-class TransferStats(KVConnectorStats):
+class TransferStats(MergeableStats):
     """Counters of KV block transfers.
 
     Attributes:
@@ -74,7 +74,7 @@ class TransferStats(KVConnectorStats):
                 f"min duration {min(self.durations_s, default=0.0)}"
             )
 
-    def aggregate(self, other: KVConnectorStats) -> TransferStats:
+    def aggregate(self, other: MergeableStats) -> TransferStats:
         """Sum counters and concatenate durations (``self``'s first).
 
         Raises:
@@ -129,13 +129,13 @@ class KVCacheEventBatch:
 
 
 @dataclass(slots=True)
-class KVConnectorOutput:
+class WorkerOutput:
     """What one worker's connector reports for one step (or the merged report).
 
     Attributes:
         finished_sending: Requests whose blocks this worker finished sending.
         finished_recving: Requests whose blocks this worker finished receiving.
-        kv_connector_stats: Transfer stats of the step.
+        stats: Transfer stats of the step.
         kv_cache_events: KV cache events of the step.
         invalid_block_ids: Local block ids that failed to load (to recompute).
         expected_finished_count: When set, the number of workers that must
@@ -144,14 +144,14 @@ class KVConnectorOutput:
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
-    kv_connector_stats: KVConnectorStats | None = None
+    stats: MergeableStats | None = None
     kv_cache_events: KVCacheEventBatch | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
     expected_finished_count: int | None = None
 
     def is_empty(self) -> bool:
         """True when the output reports nothing (an announced count is not a report)."""
-        stats_empty = self.kv_connector_stats is None or self.kv_connector_stats.is_empty()
+        stats_empty = self.stats is None or self.stats.is_empty()
         return (
             not self.finished_sending
             and not self.finished_recving

@@ -17,13 +17,13 @@ The engine's calls, in order (names mirror vLLM's ``KVConnectorBase_V1``)::
         else:          # prefill locally as usual (num_ext == 0)
     each step:  meta = conn.build_connector_meta()  -> every worker: start_load_kv(meta),
                 (forward), wait_for_save(), get_output()  -> KVOutputAggregator
-                conn.update_connector_output(aggregated)
-                for rid in conn.take_finished_recving():      # the wait is over
-                    first_bad = conn.handle_load_failure(req, conn's invalid ids)
+                outcome = conn.update_connector_output(aggregated)
+                for rid, first_bad in outcome.loads_ended.items():   # the wait is over
                     num_computed = num_local + num_ext if first_bad is None else first_bad
-                    (then cache_blocks, schedule the rest of the prompt: at least its
+                    (or fail the request: the engine's load-failure policy; then
+                     cache_blocks, schedule the rest of the prompt: at least its
                      last token, whose logits the first sampled token needs)
-                for rid in conn.take_finished_sending(): manager.free(rid)
+                for rid in outcome.to_free: manager.free(rid)
     a request ends (finished or aborted):
         delay, params = conn.request_finished(req, block_ids, aborted=...)
         free now unless delay; return params to the client (P)
@@ -41,44 +41,43 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from kvbridge.connector.held_grants import HeldGrants
-from kvbridge.connector.loads import LoadState, RemoteLoads
+from kvbridge.connector.loads import LoadEnd, LoadState, RemoteLoads
 from kvbridge.connector.metadata import ConnectorMetadata
-from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
+from kvbridge.connector.outputs import TransferStats, WorkerOutput
 from kvbridge.connector.params import KVTransferParams, params_key
 from kvbridge.connector.request import BlockIds, ConnectorRequest
 from kvbridge.connector.stats import ConnectorStats
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError
 from kvbridge.topology import CacheGroup, EngineTopology
 
-__all__ = ["ConnectorScheduler", "KVLoadError", "LoadFailurePolicy", "Role"]
+__all__ = ["ConnectorScheduler", "Role", "StepOutcome"]
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
-LoadFailurePolicy = Literal["recompute", "fail"]
 
 
-class KVLoadError(KVBridgeError):
-    """A request's KV could not be loaded and the policy is ``"fail"``.
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What one step's worker output settled (``ConnectorScheduler.update_connector_output``).
 
     Attributes:
-        request_id: the request.
-        invalid_block_ids: its local blocks that hold no valid KV.
-        first_bad_token: first token whose KV is missing.
+        loads_ended: requests whose load ended (well or not; they may run now),
+            each with the token index of its first block without valid KV,
+            or ``None`` when all of it arrived.
+        to_free: finished requests whose blocks the connector kept and the
+            engine may free now. On P: every reader reported, the lease ended
+            or the grant was revoked. On D: a request aborted during its load,
+            now that the load has ended.
     """
 
-    def __init__(self, request_id: str, invalid_block_ids: set[int], first_bad_token: int) -> None:
-        super().__init__(
-            f"request {request_id!r}: loading its KV from the prefill engine failed "
-            f"({len(invalid_block_ids)} blocks invalid from token {first_bad_token})"
-        )
-        self.request_id = request_id
-        self.invalid_block_ids = invalid_block_ids
-        self.first_bad_token = first_bad_token
+    loads_ended: Mapping[str, int | None]
+    to_free: frozenset[str]
 
 
 class ConnectorScheduler:
@@ -95,8 +94,6 @@ class ConnectorScheduler:
             with ``set_worker_ports`` (until then nothing is served).
         block_size: tokens per block (must equal ``topology.block_size``).
         lease_s: how long a finished prefill's blocks are held for readers.
-        load_failure_policy: ``"recompute"`` rolls a request back to its first
-            bad block; ``"fail"`` raises :class:`KVLoadError`.
         clock: wall clock (epoch seconds) for ``expires_at``.
         groups: the engine's KV cache groups when it has several (sliding
             window, recurrent state: ``kvbridge.topology.groups``); None or
@@ -111,7 +108,7 @@ class ConnectorScheduler:
             once; the oldest holds go first (``held_grants.py``). None: no cap.
 
     Raises:
-        ConfigError: bad role, policy, port, lease or block size.
+        ConfigError: bad role, port, lease or block size.
     """
 
     def __init__(
@@ -124,7 +121,6 @@ class ConnectorScheduler:
         block_size: int,
         *,
         lease_s: float,
-        load_failure_policy: LoadFailurePolicy = "recompute",
         clock: Callable[[], float] = time.time,
         groups: Sequence[CacheGroup] | None = None,
         null_block_id: int | None = None,
@@ -133,9 +129,6 @@ class ConnectorScheduler:
     ) -> None:
         if role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, got {role!r}")
-        if load_failure_policy not in ("recompute", "fail"):
-            raise ConfigError(f"load_failure_policy must be recompute or fail, "
-                              f"got {load_failure_policy!r}")
         if block_size != topology.block_size:
             raise ConfigError(f"block_size {block_size} != topology block size "
                               f"{topology.block_size}")
@@ -148,7 +141,7 @@ class ConnectorScheduler:
             raise ConfigError(f"max_held_blocks must be >= 0, got {max_held_blocks}")
         self.engine_id, self.role, self.topology = engine_id, role, topology
         self.host, self.base_port, self.block_size = host, base_port, block_size
-        self.lease_s, self.load_failure_policy = lease_s, load_failure_policy
+        self.lease_s = lease_s
         if groups is not None and len(groups) == 1 and groups[0].kind == "tokens":
             groups = None  # one list of every block: the general path (any block sizes)
         self.groups = tuple(groups) if groups is not None else None
@@ -160,7 +153,6 @@ class ConnectorScheduler:
                                   lease_s=lease_s, clock=clock, groups=groups,
                                   null_block_id=null_block_id, params_key=key,
                                   max_held_blocks=max_held_blocks)
-        self._finished_sending: set[str] = set()
         self._stats = ConnectorStats()  # the workers' transfer counters
 
     def set_worker_ports(self, ports: Sequence[int]) -> None:
@@ -229,64 +221,36 @@ class ConnectorScheduler:
         return ConnectorMetadata(reqs_to_recv=recvs, reqs_to_send=sends,
                                  reqs_to_release=releases, reqs_to_notify=notices)
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Take in one step's aggregated worker output (finished, failed, stats)."""
-        self._record_transfer_stats(output)
-        self._loads.mark_invalid(output.invalid_block_ids)
-        for request_id in output.finished_recving or ():
-            if self._loads.finish(request_id):  # aborted during its load: free it now
-                self._finished_sending.add(request_id)
-        for request_id in output.finished_sending or ():
-            self._grants.release(request_id)
-            self._finished_sending.add(request_id)
-
-    def take_finished_recving(self) -> set[str]:
-        """Requests whose load ended (ok or not) since the last call; they may run now.
-
-        Check each with ``handle_load_failure`` before trusting its KV.
-        """
-        return self._loads.take_finished()
-
-    def take_finished_sending(self) -> set[str]:
-        """Finished requests whose delayed blocks may be freed now.
-
-        On P: every reader reported, the lease ended or the grant was revoked.
-        On D: a request aborted during its load, now that the load has ended.
-        """
-        done, self._finished_sending = self._finished_sending, set()
-        return done
-
-    def take_invalid_block_ids(self) -> set[int]:
-        """Local block ids of finished loads that failed, since the last call."""
-        return self._loads.take_invalid_block_ids()
-
-    def handle_load_failure(
-        self, request: ConnectorRequest, invalid_block_ids: Iterable[int]
-    ) -> int | None:
-        """Where a request whose load finished must resume computing.
-
-        Args:
-            request: a request from ``take_finished_recving``.
-            invalid_block_ids: invalid block ids (``take_invalid_block_ids``); the
-                request's own failed blocks are also remembered here.
+    def update_connector_output(self, output: WorkerOutput) -> StepOutcome:
+        """Take in one step's aggregated worker output (finished, failed, stats).
 
         Returns:
-            ``None`` when the request's loaded KV is complete; else the token
-            index of its first bad block (policy ``"recompute"``): the engine sets
-            ``num_computed_tokens`` to it and recomputes from there.
-
-        Raises:
-            KVLoadError: the load failed and the policy is ``"fail"``.
+            What the output settled: loads that ended and where each request's
+            valid KV ends, and kept blocks the engine may free now. What to do
+            with a load that failed (recompute, fail the request) is the
+            engine's policy, not the connector's.
         """
-        failure = self._loads.first_bad_token(request, invalid_block_ids)
-        if failure is None:
-            return None
-        first_bad_token, bad = failure
-        if self.load_failure_policy == "fail":
-            raise KVLoadError(request.request_id, bad, first_bad_token)
-        logger.info("request %r: KV load failed, recomputing from token %d",
-                    request.request_id, first_bad_token)
-        return first_bad_token
+        self._record_transfer_stats(output)
+        self._loads.mark_invalid(output.invalid_block_ids)
+        ended: dict[str, LoadEnd] = {}
+        to_free: set[str] = set()
+        for request_id in output.finished_recving or ():
+            end = self._loads.finish(request_id)
+            if end is not None and end.aborted:  # aborted during its load: free it now
+                to_free.add(request_id)
+            elif end is not None:
+                ended[request_id] = end
+        for request_id in output.finished_sending or ():
+            self._grants.release(request_id)
+            to_free.add(request_id)
+        bad = set().union(*(end.invalid_block_ids for end in ended.values()))
+        loads_ended = {request_id: end.first_bad_token(self.block_size, bad)
+                       for request_id, end in ended.items()}
+        for request_id, first_bad_token in loads_ended.items():
+            if first_bad_token is not None:
+                logger.info("request %r: KV load failed from token %d on",
+                            request_id, first_bad_token)
+        return StepOutcome(loads_ended, frozenset(to_free))
 
     # ---------------------------------------------------------------- request end
     def request_finished(
@@ -303,7 +267,7 @@ class ConnectorScheduler:
 
         Returns:
             ``(delay_free, params)``. ``delay_free``: do not free the blocks now;
-            they are freed when ``take_finished_sending`` names the request.
+            they are freed when a ``StepOutcome.to_free`` names the request.
             ``params``: for the client (P answering a ``do_remote_decode``
             request: where D reads the prompt's KV), else ``None``.
         """
@@ -367,8 +331,8 @@ class ConnectorScheduler:
         stats.num_loads_in_flight = self._loads.num_in_flight
         return stats
 
-    def _record_transfer_stats(self, output: KVConnectorOutput) -> None:
-        stats = output.kv_connector_stats
+    def _record_transfer_stats(self, output: WorkerOutput) -> None:
+        stats = output.stats
         if not isinstance(stats, TransferStats):
             return
         self._stats.num_transfers += stats.num_transfers

@@ -38,7 +38,7 @@ import msgspec
 import torch
 
 from kvbridge.connector.metadata import ConnectorMetadata, RecvRequest
-from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
+from kvbridge.connector.outputs import TransferStats, WorkerOutput
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.kernels import copy_blocks, on_device
 from kvbridge.topology import EngineTopology, KVLayout, describe_cache
@@ -341,15 +341,15 @@ class ConnectorWorker:
         failed, self._failed_recving = self._failed_recving, set()
         return failed
 
-    def get_output(self) -> KVConnectorOutput:
+    def get_output(self) -> WorkerOutput:
         """This step's report for the aggregator (calls ``get_finished``)."""
         sending, recving = self.get_finished()
         stats, self._stats = self._stats, TransferStats()
         invalid, self._invalid = self._invalid, set()
-        return KVConnectorOutput(
+        return WorkerOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
-            kv_connector_stats=None if stats.is_empty() else stats,
+            stats=None if stats.is_empty() else stats,
             invalid_block_ids=invalid,
         )
 

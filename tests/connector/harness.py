@@ -30,9 +30,9 @@ import torch
 
 from kvbridge.connector.aggregator import KVOutputAggregator
 from kvbridge.connector.params import parse_kv_transfer_params
-from kvbridge.connector.scheduler import ConnectorScheduler, LoadFailurePolicy, Role
+from kvbridge.connector.scheduler import ConnectorScheduler, Role
 from kvbridge.connector.worker import ConnectorWorker
-from kvbridge.reference.engine.remote_kv import RemoteKVTracker
+from kvbridge.reference.engine.remote_kv import LoadFailurePolicy, RemoteKVTracker
 from kvbridge.reference.engine.request import (
     EngineRequest,
     FinishReason,
@@ -130,9 +130,9 @@ class MiniEngine:
         self.manager = KVCacheManager(config, 4096, self.hasher)
         self.connector = ConnectorScheduler(
             spec.engine_id, spec.role, topo, "127.0.0.1", spec.base_port or 1, spec.block_size,
-            lease_s=spec.lease_s, load_failure_policy=spec.policy,
+            lease_s=spec.lease_s,
         )
-        self.tracker = RemoteKVTracker(self.manager, self.connector)
+        self.tracker = RemoteKVTracker(self.manager, self.connector, spec.policy)
         self.heads_per_rank = topo.num_heads_per_rank
         compat = CompatInfo("mini", str(DTYPE), NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS,
                             topo.layout, spec.block_size, False)

@@ -11,32 +11,32 @@ from hypothesis import strategies as st
 from kvbridge.connector.aggregator import AggregationError, KVOutputAggregator
 from kvbridge.connector.outputs import (
     KVCacheEventBatch,
-    KVConnectorOutput,
-    KVConnectorStats,
+    MergeableStats,
     StatsTypeError,
     TransferStats,
+    WorkerOutput,
 )
 from kvbridge.errors import ConfigError
 
 
-def sending(*req_ids: str, count: int | None = None) -> KVConnectorOutput:
-    return KVConnectorOutput(finished_sending=set(req_ids), expected_finished_count=count)
+def sending(*req_ids: str, count: int | None = None) -> WorkerOutput:
+    return WorkerOutput(finished_sending=set(req_ids), expected_finished_count=count)
 
 
-def recving(*req_ids: str) -> KVConnectorOutput:
-    return KVConnectorOutput(finished_recving=set(req_ids))
+def recving(*req_ids: str) -> WorkerOutput:
+    return WorkerOutput(finished_recving=set(req_ids))
 
 
-def finished_sending(result: KVConnectorOutput | None) -> set[str]:
+def finished_sending(result: WorkerOutput | None) -> set[str]:
     assert result is not None
     return result.finished_sending or set()
 
 
 @dataclass(slots=True)
-class OtherStats(KVConnectorStats):
+class OtherStats(MergeableStats):
     num_hits: int = 0
 
-    def aggregate(self, other: KVConnectorStats) -> OtherStats:
+    def aggregate(self, other: MergeableStats) -> OtherStats:
         self._check_same_type(other)
         assert isinstance(other, OtherStats)
         return OtherStats(self.num_hits + other.num_hits)
@@ -164,8 +164,8 @@ def test_missing_output_at_output_rank_yields_none_and_counts_nothing() -> None:
 
 def test_empty_output_is_not_none() -> None:
     agg = KVOutputAggregator(1)
-    result = agg.aggregate([KVConnectorOutput()])
-    assert result == KVConnectorOutput(invalid_block_ids=set(), expected_finished_count=1)
+    result = agg.aggregate([WorkerOutput()])
+    assert result == WorkerOutput(invalid_block_ids=set(), expected_finished_count=1)
     assert result.is_empty()
 
 
@@ -177,28 +177,28 @@ def test_stats_are_merged_without_touching_inputs() -> None:
     a = TransferStats(num_transfers=2, nbytes=100, durations_s=[0.5, 0.25])
     b = TransferStats(num_transfers=1, nbytes=30, durations_s=[1.0], num_failures=1)
     outputs = [
-        KVConnectorOutput(kv_connector_stats=a),
+        WorkerOutput(stats=a),
         None,
-        KVConnectorOutput(kv_connector_stats=b),
+        WorkerOutput(stats=b),
     ]
     result = agg.aggregate(outputs)
     assert result is not None
-    assert result.kv_connector_stats == TransferStats(3, 130, [0.5, 0.25, 1.0], 1)
+    assert result.stats == TransferStats(3, 130, [0.5, 0.25, 1.0], 1)
     assert a == TransferStats(2, 100, [0.5, 0.25], 0)
 
 
 def test_empty_stats_become_none() -> None:
     agg = KVOutputAggregator(2)
-    outputs = [KVConnectorOutput(kv_connector_stats=TransferStats()) for _ in range(2)]
+    outputs = [WorkerOutput(stats=TransferStats()) for _ in range(2)]
     result = agg.aggregate(outputs)
-    assert result is not None and result.kv_connector_stats is None
+    assert result is not None and result.stats is None
 
 
 def test_mixed_stats_types_raise_and_count_nothing() -> None:
     agg = KVOutputAggregator(2)
     outputs = [
-        KVConnectorOutput(finished_sending={"a"}, kv_connector_stats=TransferStats(1, 8)),
-        KVConnectorOutput(finished_sending={"a"}, kv_connector_stats=OtherStats(3)),
+        WorkerOutput(finished_sending={"a"}, stats=TransferStats(1, 8)),
+        WorkerOutput(finished_sending={"a"}, stats=OtherStats(3)),
     ]
     with pytest.raises(StatsTypeError, match="TransferStats and OtherStats"):
         agg.aggregate(outputs)
@@ -218,9 +218,9 @@ def test_negative_stats_rejected() -> None:
 def test_events_combined_and_counted_per_worker() -> None:
     agg = KVOutputAggregator(3)
     outputs = [
-        KVConnectorOutput(kv_cache_events=KVCacheEventBatch(["stored:1", "stored:2"])),
-        KVConnectorOutput(kv_cache_events=KVCacheEventBatch(["stored:1"])),
-        KVConnectorOutput(),
+        WorkerOutput(kv_cache_events=KVCacheEventBatch(["stored:1", "stored:2"])),
+        WorkerOutput(kv_cache_events=KVCacheEventBatch(["stored:1"])),
+        WorkerOutput(),
     ]
     result = agg.aggregate(outputs)
     assert result is not None and result.kv_cache_events is not None
@@ -228,7 +228,7 @@ def test_events_combined_and_counted_per_worker() -> None:
     assert result.kv_cache_events.num_workers == 2
     assert result.kv_cache_events.common_events() == ["stored:1"]
     assert outputs[0].kv_cache_events == KVCacheEventBatch(["stored:1", "stored:2"])
-    none = agg.aggregate([KVConnectorOutput(), None, None])
+    none = agg.aggregate([WorkerOutput(), None, None])
     assert none is not None and none.kv_cache_events is None
 
 
@@ -240,8 +240,8 @@ def test_event_batch_rejects_zero_workers() -> None:
 def test_invalid_block_ids_are_unioned() -> None:
     agg = KVOutputAggregator(3)
     outputs = [
-        KVConnectorOutput(invalid_block_ids={1, 2}),
-        KVConnectorOutput(invalid_block_ids={2, 7}),
+        WorkerOutput(invalid_block_ids={1, 2}),
+        WorkerOutput(invalid_block_ids={2, 7}),
         None,
     ]
     result = agg.aggregate(outputs)
@@ -285,7 +285,7 @@ def test_each_request_finishes_once_after_all_workers(
     finished_at: dict[str, int] = {}
     for step, per_worker in enumerate(plan):
         outputs = [sending(*ids) if ids else None for ids in per_worker]
-        outputs[0] = outputs[0] or KVConnectorOutput()
+        outputs[0] = outputs[0] or WorkerOutput()
         for worker, ids in enumerate(per_worker):
             for req_id in ids:
                 reported.setdefault(req_id, set()).add(worker)

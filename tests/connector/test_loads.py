@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvbridge.connector.held_grants import HeldGrants
-from kvbridge.connector.loads import RemoteLoads
+from kvbridge.connector.loads import LoadEnd, RemoteLoads
 from kvbridge.connector.params import (
     KVTransferParams,
     check_signature,
@@ -70,11 +70,10 @@ def test_a_load_from_plan_to_a_failed_finish() -> None:
     assert d.plan(req, 16) == (0, False)  # loaded at most once
 
     d.mark_invalid([3, 99])  # 99 belongs to no load: logged, ignored
-    assert d.finish("r") is False
-    assert d.take_finished() == {"r"} and d.take_finished() == set()
-    assert d.take_invalid_block_ids() == {3}
-    assert d.first_bad_token(req, []) == (32, {3})
-    assert d.first_bad_token(req, []) is None  # reported once
+    end = d.finish("r")
+    assert end == LoadEnd(False, (1, 2, 3), frozenset({3}))
+    assert end.first_bad_token(16) == 32 and end.first_bad_token(16, [2]) == 16
+    assert d.finish("r") is None  # finished once
     assert (d.num_failed, d.state("r"), d.has_pending_work()) == (1, None, False)
 
 
@@ -104,8 +103,8 @@ def test_end_request_says_whether_the_blocks_must_wait() -> None:
     d.record_allocation(busy, Blocks(([1, 2, 3],)), 39)
     d.dispatch()
     assert d.end_request(busy) is True  # a worker may be writing into its blocks
-    assert d.finish("busy") is True  # now they may be freed
-    assert d.take_finished() == set()
+    end = d.finish("busy")
+    assert end is not None and end.aborted  # now they may be freed
 
 
 def test_a_prefill_only_engine_gives_the_grant_back_once() -> None:

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from kvbridge.connector.metadata import ConnectorMetadata
-from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
+from kvbridge.connector.outputs import TransferStats, WorkerOutput
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.connector.scheduler import ConnectorScheduler, KVLoadError
+from kvbridge.connector.scheduler import ConnectorScheduler, StepOutcome
 from kvbridge.errors import ConfigError
-from kvbridge.reference.engine.request import EngineRequest
 from kvbridge.reference.paged.manager import KVCacheManager
 from tests.connector.helpers import (
     NOW,
@@ -96,8 +95,8 @@ def test_each_request_loads_at_most_once() -> None:
     admit(conn, mgr, req)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # loading
     conn.build_connector_meta()
-    conn.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
-    assert conn.take_finished_recving() == {"r"}
+    assert conn.update_connector_output(WorkerOutput(finished_recving={"r"})) == StepOutcome(
+        {"r": None}, frozenset())
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # e.g. after preemption
     # and a loaded request is never held for another reader
     assert conn.request_finished(req, mgr.get_block_ids("r")[0]) == (False, None)
@@ -131,8 +130,8 @@ def test_prefill_finish_holds_blocks_and_returns_params() -> None:
     assert (send.request_id, send.block_ids, send.grant, send.lease_s) == (
         "r", block_ids, params.grant, 12.0)
     # readers done on every worker (aggregated): the engine frees the blocks
-    conn.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
-    assert conn.take_finished_sending() == {"r"}
+    outcome = conn.update_connector_output(WorkerOutput(finished_sending={"r"}))
+    assert outcome == StepOutcome({}, frozenset({"r"}))
     assert conn.num_held_blocks == 0 and not conn.has_pending_work()
     stats = conn.get_stats()
     assert (stats.num_grants_issued, stats.num_grants_released) == (1, 1)
@@ -186,44 +185,27 @@ def test_abort_on_d_before_and_after_the_load_started() -> None:
     assert len(conn.build_connector_meta().reqs_to_recv) == 1
     assert conn.request_finished(late, mgr.get_block_ids("late")[0], aborted=True) == (
         True, None)
-    conn.update_connector_output(KVConnectorOutput(finished_recving={"late"}))
-    assert conn.take_finished_recving() == set()  # never exposed as loaded
-    assert conn.take_finished_sending() == {"late"}  # the engine frees it now
+    outcome = conn.update_connector_output(WorkerOutput(finished_recving={"late"}))
+    assert outcome.loads_ended == {}  # never exposed as loaded
+    assert outcome.to_free == {"late"}  # the engine frees it now
     assert not conn.has_pending_work()
 
 
-def failed_load(policy: Any) -> tuple[ConnectorScheduler, EngineRequest, list[int]]:
-    conn, mgr = scheduler(load_failure_policy=policy), manager()
+def test_failed_load_rolls_back_to_the_first_bad_block() -> None:
+    conn, mgr = scheduler(), manager()
     cache_prefix(mgr, TOKENS[:20])
     req = request("r", TOKENS[:80], remote(80))
     assert admit(conn, mgr, req) == (16, 63)
     conn.build_connector_meta()
     block_ids = mgr.get_block_ids("r")[0]
     # one worker reports the failure this step, the last worker finishes the next
-    conn.update_connector_output(KVConnectorOutput(invalid_block_ids=set(block_ids[2:5])))
-    assert conn.take_finished_recving() == set()
-    conn.update_connector_output(KVConnectorOutput(
-        finished_recving={"r"}, kv_connector_stats=TransferStats(num_failures=2)))
-    return conn, req, block_ids
-
-
-def test_failed_load_rolls_back_to_the_first_bad_block() -> None:
-    conn, req, block_ids = failed_load("recompute")
-    assert conn.take_finished_recving() == {"r"}
-    invalid = conn.take_invalid_block_ids()
-    assert invalid == set(block_ids[2:5])
-    assert conn.handle_load_failure(req, invalid) == 2 * 16
-    assert conn.handle_load_failure(req, set()) is None  # reported once
+    outcome = conn.update_connector_output(WorkerOutput(invalid_block_ids=set(block_ids[2:5])))
+    assert outcome == StepOutcome({}, frozenset())
+    outcome = conn.update_connector_output(WorkerOutput(
+        finished_recving={"r"}, stats=TransferStats(num_failures=2)))
+    assert outcome.loads_ended == {"r": 2 * 16}  # the first bad block's first token
     stats = conn.get_stats()
     assert (stats.num_loads_failed, stats.num_failures) == (1, 2)
-
-
-def test_failed_load_raises_under_policy_fail() -> None:
-    conn, req, block_ids = failed_load("fail")
-    conn.take_finished_recving()
-    with pytest.raises(KVLoadError) as info:
-        conn.handle_load_failure(req, conn.take_invalid_block_ids())
-    assert info.value.first_bad_token == 32 and info.value.request_id == "r"
 
 
 def test_successful_load_needs_no_rollback() -> None:
@@ -231,9 +213,8 @@ def test_successful_load_needs_no_rollback() -> None:
     req = request("r", TOKENS[:40], remote(40))
     admit(conn, mgr, req)
     conn.build_connector_meta()
-    conn.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
-    assert conn.take_finished_recving() == {"r"}
-    assert conn.handle_load_failure(req, conn.take_invalid_block_ids()) is None
+    outcome = conn.update_connector_output(WorkerOutput(finished_recving={"r"}))
+    assert outcome.loads_ended == {"r": None}
 
 
 def test_bad_configuration_is_rejected() -> None:
@@ -265,7 +246,7 @@ def test_prometheus_exposition() -> None:
     req = request("r", TOKENS[:40], KVTransferParams(do_remote_decode=True))
     mgr.allocate_slots(req, 40)
     conn.request_finished(req, mgr.get_block_ids("r")[0])
-    conn.update_connector_output(KVConnectorOutput(kv_connector_stats=TransferStats(
+    conn.update_connector_output(WorkerOutput(stats=TransferStats(
         num_transfers=2, nbytes=4096, durations_s=[0.003, 0.2], num_failures=1)))
     text = conn.get_stats().to_prometheus("kvb")
     lines = text.splitlines()

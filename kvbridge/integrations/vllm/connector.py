@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -39,7 +40,7 @@ from kvbridge.connector.outputs import TransferStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import engine_facts
 from kvbridge.integrations.vllm.groups import cache_groups
-from kvbridge.integrations.vllm.messages import StepMetadata
+from kvbridge.integrations.vllm.messages import StepMetadata, SyncLoadsEnded
 from kvbridge.integrations.vllm.scheduler_side import VllmSchedulerSide
 from kvbridge.integrations.vllm.settings import (
     for_data_parallel_rank,
@@ -164,6 +165,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if (stats is None or stats.is_empty()) and not num_sync_loads and not num_late:
             return None
         return KVBridgeStats.of(stats or TransferStats(), num_sync_loads, num_late)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        ended = self._worker.take_sync_loads_ended()
+        return SyncLoadsEnded({self._worker.global_rank: ended}) if ended else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -3,14 +3,17 @@
 Lives in vLLM's engine-core process. The calls map one to one (see
 ``kvbridge.connector.scheduler`` for what each decides); this module only
 translates vLLM's objects and covers where vLLM's contract differs from
-kvbridge's own engine:
+kvbridge's own engine. It never edits vLLM's objects: what vLLM acts on (the
+requests received, sent, failed) comes from the workers' own reports.
 
 - vLLM recomputes or fails a request whose load failed by itself (its
-  ``kv_load_failure_policy``), from the blocks the workers report; kvbridge's
-  own failure bookkeeping is drained and left unused.
+  ``kv_load_failure_policy``), from the blocks the workers report
+  (``get_block_ids_with_load_errors``); ``ConnectorScheduler``'s outcome of
+  each step (where each load's valid KV ends) is not needed here.
 - A request aborted while waiting for its KV keeps its blocks in vLLM until
   the workers report it received. If the workers were never told to read it,
-  nothing would ever report it: this side reports it itself, at the next step.
+  nothing would ever report it: the next step's metadata asks every worker to
+  report it received (``StepMetadata.report_received``).
 - P's workers listen on ports of their own choosing (zero config): the
   scheduler learns them from vLLM's handshake (``set_worker_addresses``) and
   announces them in every ``kv_transfer_params`` it returns.
@@ -24,15 +27,17 @@ kvbridge's own engine:
 - Small loads are synchronous (``VllmSettings.sync_load_max_bytes``): vLLM
   schedules the request in the step that allocates it and the workers finish
   the read before that step's forward. vLLM must then not hear of the request
-  as received (it is running, not waiting for KV): its id is taken out of the
-  workers' ``finished_recving`` after kvbridge's own bookkeeping saw it. A
+  as received (it is running, not waiting for KV): the workers report the end
+  of its read to this side only (``SyncLoadsEnded``, vLLM's worker metadata,
+  counted here until every worker has reported it). A
   failed synchronous load reports its blocks in the same step, so vLLM drops
   the token computed on them and recomputes or fails as its policy says. So
   does one still running at its deadline (``sync_load_deadline_s``): the
   workers cancel its read and report its blocks once nothing of it writes
   them any more (``worker_side.py``), or, for a read the cancel could not
   stop, at once under ``fail``: its request, failed, then keeps its blocks
-  (``delay_free``) until the workers report the read ended.
+  (``delay_free``) until every worker's read has ended; the next step's
+  metadata then asks the workers to report it received, and vLLM frees them.
   A load is synchronous only from a P this engine has read from before
   without a failure (a *warm* P): the first read from a P connects and
   handshakes with each of its ranks, which is no work for a forward to wait
@@ -47,10 +52,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.outputs import KVConnectorOutput as VllmConnectorOutput
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from kvbridge.connector.outputs import KVConnectorOutput
+from kvbridge.connector.aggregator import KVOutputAggregator
+from kvbridge.connector.outputs import WorkerOutput
 from kvbridge.connector.params import KVTransferParams, parse_kv_transfer_params
 from kvbridge.connector.request import BlockIds
 from kvbridge.connector.scheduler import ConnectorScheduler
@@ -58,7 +65,7 @@ from kvbridge.connector.stats import ConnectorStats
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import EngineFacts
 from kvbridge.integrations.vllm.groups import NULL_BLOCK_ID, has_state
-from kvbridge.integrations.vllm.messages import StepMetadata, WorkerAddress
+from kvbridge.integrations.vllm.messages import StepMetadata, SyncLoadsEnded, WorkerAddress
 from kvbridge.integrations.vllm.settings import VllmSettings
 from kvbridge.integrations.vllm.stats import KVBridgeStats
 from kvbridge.topology import CacheGroup
@@ -127,9 +134,12 @@ class VllmSchedulerSide:
         self._transfer_group_ids = transfer_group_ids
         self._stops_short = has_state(groups) and facts.role != "decode"
         self._per_request_failures = num_groups > 1  # vLLM's rule for invalid block ids
-        self._received_here: set[str] = set()  # aborted before any worker read them
-        self._sync: set[str] = set()  # loads made synchronously, until reported received
-        self._sync_ended: set[str] = set()  # of those, requests ended: free when received
+        self._to_report: set[str] = set()  # for the workers to report received next step
+        self._reported: set[str] = set()  # asked for: vLLM's received, not kvbridge's
+        self._sync: set[str] = set()  # loads made synchronously, until their reads end
+        self._sync_ended: set[str] = set()  # of those, requests ended: free when read
+        # counts each synchronous load's workers until all of them reported its end
+        self._sync_reads = KVOutputAggregator(facts.tp_size * facts.pp_size)
         self._loading_from: dict[str, str] = {}  # load in flight -> P's engine id
         self._warm: set[str] = set()  # P engines read from, last read without failure
         self._num_refused_reported = 0
@@ -234,38 +244,45 @@ class VllmSchedulerSide:
         work = self._scheduler.build_connector_meta()
         idle = num_scheduled_tokens == 0 and pending and work.is_empty()
         sync = frozenset(r.request_id for r in work.reqs_to_recv if r.request_id in self._sync)
+        report = frozenset(self._to_report)
+        self._reported |= report
+        self._to_report = set()
         return StepMetadata(work=work, idle_wait_s=self.settings.idle_wait_s if idle else 0.0,
-                            sync_loads=sync)
+                            sync_loads=sync, report_received=report)
 
-    def update_connector_output(self, output: VllmConnectorOutput) -> None:
-        """Take in the workers' aggregated output before vLLM acts on it."""
-        stats = output.kv_connector_stats
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Take in the workers' aggregated output (read only: vLLM acts on it itself)."""
+        recving = set(output.finished_recving or ())
+        echoed = recving & self._reported  # asked for by this side: no load of kvbridge's
+        self._reported -= echoed
+        sync_ended = self._sync_loads_ended(output.kv_connector_worker_meta)
+        recving = (recving - echoed) | sync_ended
         invalid = set(output.invalid_block_ids)
         failed_recving = set(getattr(output, "failed_recving", None) or ())
         for request_id in failed_recving:
             invalid.update(self._scheduler.loading_block_ids(request_id))
-        self._track_warm(output.finished_recving or set(), failed_recving, invalid)
-        self._scheduler.update_connector_output(KVConnectorOutput(
-            finished_sending=output.finished_sending, finished_recving=output.finished_recving,
-            kv_connector_stats=(stats.to_transfer_stats() if isinstance(stats, KVBridgeStats)
-                                else None),
+        self._track_warm(recving, failed_recving, invalid)
+        stats = output.kv_connector_stats
+        self._scheduler.update_connector_output(WorkerOutput(
+            finished_sending=output.finished_sending, finished_recving=recving,
+            stats=stats.to_transfer_stats() if isinstance(stats, KVBridgeStats) else None,
             invalid_block_ids=invalid,
         ))
-        # vLLM acts on these itself: drain kvbridge's copies
-        self._scheduler.take_finished_recving()
-        self._scheduler.take_finished_sending()
-        self._scheduler.take_invalid_block_ids()
-        received_sync = self._sync & (output.finished_recving or set())
-        if received_sync:  # running requests: vLLM must not hear of them
-            self._sync -= received_sync
-            output.finished_recving = (output.finished_recving or set()) - received_sync
-        if self._received_here:
-            output.finished_recving = (output.finished_recving or set()) | self._received_here
-            self._received_here = set()
-        freed = self._sync_ended & received_sync
-        if freed:  # ended while their (late) read went on: vLLM frees their blocks now
+        self._sync -= sync_ended
+        freed = self._sync_ended & sync_ended
+        if freed:  # ended while their (late) read went on: vLLM may free their blocks now
             self._sync_ended -= freed
-            output.finished_sending = (output.finished_sending or set()) | freed
+            self._to_report |= freed
+
+    def _sync_loads_ended(self, meta: KVConnectorWorkerMetadata | None) -> set[str]:
+        """Synchronous loads whose read has now ended on every worker."""
+        if not isinstance(meta, SyncLoadsEnded):
+            return set()
+        num_workers = self.facts.tp_size * self.facts.pp_size
+        merged = self._sync_reads.aggregate(
+            [WorkerOutput(finished_recving=set(meta.by_rank.get(rank, ())))
+             for rank in range(num_workers)])
+        return set(merged.finished_recving or ()) if merged is not None else set()
 
     def _track_warm(self, finished: set[str], failed: set[str], invalid: set[int]) -> None:
         """A P whose load failed (a late synchronous one included: its blocks are
@@ -305,7 +322,7 @@ class VllmSchedulerSide:
         if load is not None:
             # a load's blocks are vLLM's to hold until the request is reported received
             if load == "allocated":
-                self._received_here.add(request_id)
+                self._to_report.add(request_id)
             return False, None
         return delay, params.to_json_dict() if params is not None else None
 

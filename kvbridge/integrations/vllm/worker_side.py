@@ -9,7 +9,8 @@ One per vLLM worker process (TP/PP rank). vLLM's model runner calls, per step
     ... forward ...
     wait_for_save()      -> ConnectorWorker.wait_for_save (nothing left to do)
     get_finished()       -> ConnectorWorker.get_output(); (sending, recving) returned,
-    get_block_ids_with_load_errors(), get_kv_connector_stats()  -> the rest of that output
+    get_block_ids_with_load_errors(), get_kv_connector_stats(),
+    build_connector_worker_meta()  -> the rest of that output
 
 On a step that computes nothing while transfers are under way, ``get_finished``
 first waits (at most ``StepMetadata.idle_wait_s``) for the transfer agent to
@@ -22,7 +23,11 @@ soon after their deadline (``VllmSettings.sync_load_deadline_s``), whichever
 comes first: a slow or stopped P never holds the whole batch for longer. What
 the agent reported meanwhile is kept and reported by this step's
 ``get_finished``, failed blocks included, so vLLM drops a token computed on
-blocks that did not arrive.
+blocks that did not arrive. Their requests are running, so vLLM must not hear
+of them as received: when a synchronous read ends, this worker reports it to
+the scheduler side only (``take_sync_loads_ended``, vLLM's worker metadata).
+What the scheduler side asks to report received (``StepMetadata.report_received``)
+is reported with the step's own.
 
 A load still running at its deadline is *late*: its read is cancelled
 (``ConnectorWorker.cancel_reads``), which ends it once nothing of it can write
@@ -54,7 +59,7 @@ from collections.abc import Mapping
 import torch
 
 from kvbridge.connector.metadata import RecvRequest
-from kvbridge.connector.outputs import KVConnectorOutput, TransferStats
+from kvbridge.connector.outputs import TransferStats, WorkerOutput
 from kvbridge.connector.worker import ConnectorWorker
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.facts import (
@@ -112,6 +117,8 @@ class VllmWorkerSide:
         self._num_sync_loads = 0
         self._num_late_sync_loads = 0
         self._late: dict[str, set[int]] = {}  # late sync load -> its blocks (reported invalid)
+        self._sync_reading: set[str] = set()  # synchronous loads whose read goes on
+        self._sync_ended: set[str] = set()  # of those, ended: for the scheduler side only
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Start this worker's transfer agent on vLLM's caches.
@@ -160,6 +167,7 @@ class VllmWorkerSide:
         worker = self._require()
         worker.start_load_kv(metadata.work)
         if metadata.sync_loads:
+            self._sync_reading |= metadata.sync_loads
             blocks = {recv.request_id: written_block_ids(recv, self.facts.block_size)
                       for recv in metadata.work.reqs_to_recv
                       if recv.request_id in metadata.sync_loads}
@@ -225,7 +233,7 @@ class VllmWorkerSide:
         except concurrent.futures.TimeoutError:  # the agent's loop did not answer
             return set()
 
-    def _collect(self, worker: ConnectorWorker, output: KVConnectorOutput) -> None:
+    def _collect(self, worker: ConnectorWorker, output: WorkerOutput) -> None:
         self._sending |= output.finished_sending or set()
         recving = output.finished_recving or set()
         self._recving |= recving
@@ -234,7 +242,7 @@ class VllmWorkerSide:
         self._failed_recving |= worker.take_failed_recving() - self._late.keys()
         for request_id in recving & self._late.keys():
             del self._late[request_id]
-        stats = output.kv_connector_stats
+        stats = output.stats
         if isinstance(stats, TransferStats):
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
 
@@ -256,9 +264,24 @@ class VllmWorkerSide:
             self._news.wait(metadata.idle_wait_s)
         self._news.clear()
         self._collect(worker, worker.get_output())
-        sending, recving = self._sending, self._recving
+        sync_ended = self._recving & self._sync_reading
+        self._sync_reading -= sync_ended
+        self._sync_ended |= sync_ended
+        sending, recving = self._sending, self._recving - sync_ended
+        if metadata is not None:
+            recving |= metadata.report_received
         self._sending, self._recving = set(), set()
         return sending or None, recving or None
+
+    def take_sync_loads_ended(self) -> frozenset[str]:
+        """Synchronous loads whose read ended here since the last call (not told to vLLM)."""
+        ended, self._sync_ended = frozenset(self._sync_ended), set()
+        return ended
+
+    @property
+    def global_rank(self) -> int:
+        """``pp_rank * tp_size + tp_rank``."""
+        return self.pp_rank * self.facts.tp_size + self.tp_rank
 
     def take_invalid_block_ids(self) -> set[int]:
         """Blocks whose load failed, reported no later than their request's recving."""

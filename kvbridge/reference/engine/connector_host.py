@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvbridge.connector.metadata import ConnectorMetadata
-from kvbridge.connector.outputs import KVConnectorOutput
+from kvbridge.connector.outputs import WorkerOutput
 from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.connector.worker import ConnectorWorker, WorkerHandshake
 from kvbridge.reference.engine.engine_config import EngineConfig
@@ -88,7 +88,6 @@ def build(config: EngineConfig) -> tuple[ConnectorScheduler, str, ConnectorWorke
     scheduler = ConnectorScheduler(
         settings.engine_id, config.role.value, topology, settings.host,
         settings.transfer_base_port, config.block_size, lease_s=settings.lease_s,
-        load_failure_policy="fail" if settings.load_failure_policy == "fail" else "recompute",
         secret=secret,  # P signs its params with it, D checks them
         max_held_blocks=int(num_blocks * settings.max_held_share),
     )
@@ -134,7 +133,7 @@ class ConnectorWorkerHost:
         """Start this step's reads, notices and revocations (before the forward)."""
         self.worker.start_load_kv(metadata)
 
-    def finish_step(self) -> KVConnectorOutput:
+    def finish_step(self) -> WorkerOutput:
         """After the forward: hold finished prefills for readers, report what finished."""
         self.worker.wait_for_save()
         return self.worker.get_output()

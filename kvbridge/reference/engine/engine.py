@@ -129,7 +129,10 @@ class LLMEngine:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=model.max_model_len,
                             eos_token_id=model.eos_token_id,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            load_failure_policy=(config.connector.load_failure_policy
+                                                 if config.connector is not None
+                                                 else "recompute")),
             self.manager, connector_scheduler, clock)
         self._num_steps = 0
         self._gen_ids = itertools.count()

@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from kvbridge.errors import ConfigError
 from kvbridge.reference.engine.model_config import ModelConfig, get_model_config
+from kvbridge.reference.engine.remote_kv import LoadFailurePolicy
 from kvbridge.reference.engine.runner import kv_block_nbytes
 from kvbridge.reference.paged.kv_cache_config import KVCacheConfig
 from kvbridge.reference.paged.sizing import RequestLimits, get_kv_cache_config
@@ -73,7 +74,7 @@ class ConnectorSettings:
     listen_host: str | None = None
     lease_s: float = 30.0
     max_held_share: float = 0.5
-    load_failure_policy: str = "recompute"
+    load_failure_policy: LoadFailurePolicy = "recompute"
     host_buffer: bool = False
     agent: AgentConfig | None = None
 

@@ -10,7 +10,7 @@ called with a :class:`WorkerContext`) and answers the group's requests
 its traceback, never a dead pipe.
 
 A spawned worker ignores SIGINT (the group decides when workers stop), exits
-when asked (``Shutdown``) or when its pipe closes, and exits by itself when its
+when asked (``Exit``) or when its pipe closes, and exits by itself when its
 parent process dies.
 """
 
@@ -43,9 +43,9 @@ from kvbridge.reference.engine.worker_ipc import (
     Describe,
     Done,
     Execute,
+    Exit,
     Failed,
     RankInfo,
-    Shutdown,
     UnknownMethodError,
     WorkerError,
     WorkerGroupConfig,
@@ -162,7 +162,7 @@ class RankWorker:
             self.extension_methods = public_methods(self.extension)
 
     def handle(self, request: object) -> object:
-        """Serve one request (not ``Shutdown``) and return the value to reply ``Done`` with.
+        """Serve one request (not ``Exit``) and return the value to reply ``Done`` with.
 
         Raises:
             WorkerProtocolError: ``request`` is not a well-formed request.
@@ -273,7 +273,7 @@ def worker_main(
             except Exception:  # did not unpickle; the pipe is still in step
                 conn.send(Failed(f"rank {rank}: undecodable request:\n{traceback.format_exc()}"))
                 continue
-            if isinstance(request, Shutdown):
+            if isinstance(request, Exit):
                 return
             reply = worker.reply(request)
             try:

@@ -13,26 +13,50 @@ because of transfers, driven by the connector's scheduler side it holds
 
     finished --request_finished: delay free--> held --finished_sending--> freed
 
-Failed loads: for every finished load ``handle_load_failure`` names the first
-token without valid KV (the request is recomputed locally from there) or raises
-``KVLoadError`` (policy ``fail``); the scheduler then fails the request with
-that message.
+Failed loads: the connector names, for every load that ended, the first token
+without valid KV (``StepOutcome.loads_ended``); the tracker applies the
+engine's policy (``load_failure_policy``): ``recompute`` resumes the request
+from there, ``fail`` hands it back to the scheduler with a :class:`KVLoadError`
+message, and the scheduler fails it. (vLLM applies its own
+``kv_load_failure_policy`` to the blocks the connector's workers report.)
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Literal
 
-from kvbridge.connector.outputs import KVConnectorOutput
+from kvbridge.connector.outputs import WorkerOutput
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.connector.scheduler import ConnectorScheduler, KVLoadError
+from kvbridge.connector.scheduler import ConnectorScheduler
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.reference.engine.request import EngineRequest, RequestStatus
 from kvbridge.reference.paged.manager import KVCacheBlocks, KVCacheManager
 
-__all__ = ["RemoteKVTracker"]
+__all__ = ["KVLoadError", "LoadFailurePolicy", "RemoteKVTracker"]
 
 logger = logging.getLogger(__name__)
+
+LoadFailurePolicy = Literal["recompute", "fail"]
+
+
+class KVLoadError(KVBridgeError):
+    """A request's KV could not be loaded and the policy is ``"fail"``.
+
+    Attributes:
+        request_id: the request.
+        first_bad_token: first token whose KV is missing.
+    """
+
+    def __init__(self, request_id: str, first_bad_token: int) -> None:
+        super().__init__(
+            f"request {request_id!r}: loading its KV from the prefill engine failed "
+            f"(KV missing from token {first_bad_token}; load_failure_policy 'recompute' "
+            f"would compute it here instead)"
+        )
+        self.request_id = request_id
+        self.first_bad_token = first_bad_token
 
 
 class RemoteKVTracker:
@@ -41,11 +65,22 @@ class RemoteKVTracker:
     Args:
         manager: The engine's KV cache manager.
         connector: The connector's scheduler side.
+        load_failure_policy: ``"recompute"`` resumes a request whose load
+            failed from its first bad block; ``"fail"`` fails it
+            (:class:`KVLoadError`).
+
+    Raises:
+        ConfigError: an unknown policy.
     """
 
-    def __init__(self, manager: KVCacheManager, connector: ConnectorScheduler) -> None:
+    def __init__(self, manager: KVCacheManager, connector: ConnectorScheduler,
+                 load_failure_policy: LoadFailurePolicy = "recompute") -> None:
+        if load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"load_failure_policy must be recompute or fail, "
+                              f"got {load_failure_policy!r}")
         self.manager = manager
         self.connector = connector
+        self.load_failure_policy = load_failure_policy
         self._loading: dict[str, EngineRequest] = {}
         self._load_end: dict[str, int] = {}  # tokens in cache once the load is done
         self._rollback: dict[str, int] = {}
@@ -168,7 +203,7 @@ class RemoteKVTracker:
 
     # -------------------------------------------------------------- updates
 
-    def update(self, output: KVConnectorOutput | None,
+    def update(self, output: WorkerOutput | None,
                waiting: deque[EngineRequest]) -> list[tuple[EngineRequest, str]]:
         """Apply one step's connector news.
 
@@ -180,23 +215,21 @@ class RemoteKVTracker:
             Loading requests whose load failed for good (policy ``fail``), with
             the reason; the caller fails them (they are no longer tracked).
         """
-        connector = self.connector
-        if output is not None:
-            connector.update_connector_output(output)
-        invalid_block_ids = connector.take_invalid_block_ids()
+        if output is None:
+            return []
+        outcome = self.connector.update_connector_output(output)
         failures: list[tuple[EngineRequest, str]] = []
-        for request_id in sorted(connector.take_finished_recving()):
+        for request_id in sorted(outcome.loads_ended):
             request = self._loading.get(request_id)
             if request is None:
                 continue
-            try:
-                first_bad_token = connector.handle_load_failure(request, invalid_block_ids)
-            except KVLoadError as exc:
+            first_bad_token = outcome.loads_ended[request_id]
+            if first_bad_token is not None and self.load_failure_policy == "fail":
                 self.forget_loading(request)
-                failures.append((request, str(exc)))
+                failures.append((request, str(KVLoadError(request_id, first_bad_token))))
                 continue
             self._on_loaded(request, first_bad_token, waiting)
-        for request_id in connector.take_finished_sending():
+        for request_id in outcome.to_free:
             held = self._held.pop(request_id, None)
             if held is not None:
                 self.manager.free(held)

@@ -25,11 +25,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvbridge.connector.outputs import KVConnectorOutput
+from kvbridge.connector.outputs import WorkerOutput
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.scheduler import ConnectorScheduler
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.reference.engine.remote_kv import RemoteKVTracker
+from kvbridge.reference.engine.remote_kv import LoadFailurePolicy, RemoteKVTracker
 from kvbridge.reference.engine.request import (
     EngineRequest,
     FinishReason,
@@ -69,6 +69,9 @@ class SchedulerConfig:
         max_model_len: Longest request (prompt + output).
         eos_token_id: Token that stops a request (unless it ignores EOS).
         enable_chunked_prefill: Split prompts longer than the step's budget.
+        load_failure_policy: What becomes of a request whose remote KV could
+            not be loaded: ``recompute`` it from the first missing token, or
+            ``fail`` it (``remote_kv.py``).
 
     Raises:
         ConfigError: a non-positive limit, or chunked prefill disabled with a
@@ -80,6 +83,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_id: int
     enable_chunked_prefill: bool = True
+    load_failure_policy: LoadFailurePolicy = "recompute"
 
     def __post_init__(self) -> None:
         limits = (self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
@@ -124,7 +128,8 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
-        self._remote = RemoteKVTracker(manager, connector) if connector is not None else None
+        self._remote = (RemoteKVTracker(manager, connector, config.load_failure_policy)
+                        if connector is not None else None)
         self._finished_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._step_id = 0
@@ -308,7 +313,7 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         sampled_token_ids: Sequence[int],
-        connector_output: KVConnectorOutput | None = None,
+        connector_output: WorkerOutput | None = None,
     ) -> list[RequestOutput]:
         """Append the step's sampled tokens, finish requests, apply connector news.
 

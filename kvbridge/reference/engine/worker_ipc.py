@@ -12,7 +12,7 @@ pipe (group G, worker W)::
     G -> W  CallExtension(method, args)    W -> G  Done(the method's return value)
     G -> W  Describe()                     W -> G  Done(RankInfo)
                                   any of these may be answered Failed(traceback)
-    G -> W  Shutdown()                     no reply; W exits
+    G -> W  Exit()                         no reply; W exits
 
 The pipes are ``multiprocessing`` connections, so the messages travel pickled:
 a call's arguments and results are whatever the extension takes and returns
@@ -39,9 +39,9 @@ __all__ = [
     "Describe",
     "Done",
     "Execute",
+    "Exit",
     "Failed",
     "RankInfo",
-    "Shutdown",
     "UnknownMethodError",
     "WorkerError",
     "WorkerGroupConfig",
@@ -182,11 +182,11 @@ class Describe(_Request, frozen=True, tag="describe"):
     """Ask the rank for its :class:`RankInfo`."""
 
 
-class Shutdown(_Request, frozen=True, tag="shutdown"):
+class Exit(_Request, frozen=True, tag="exit"):
     """Stop serving and exit (no reply)."""
 
 
-WorkerRequest: TypeAlias = Execute | CallExtension | Describe | Shutdown
+WorkerRequest: TypeAlias = Execute | CallExtension | Describe | Exit
 """What the group sends a rank."""
 
 
@@ -207,4 +207,4 @@ class Failed(_Reply, frozen=True, tag="failed"):
 
 
 WorkerReply: TypeAlias = Done | Failed
-"""What a rank answers (exactly one per request other than ``Shutdown``)."""
+"""What a rank answers (exactly one per request other than ``Exit``)."""

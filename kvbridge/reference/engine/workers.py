@@ -38,9 +38,9 @@ from kvbridge.reference.engine.worker_ipc import (
     Describe,
     Done,
     Execute,
+    Exit,
     Failed,
     RankInfo,
-    Shutdown,
     UnknownMethodError,
     WorkerError,
     WorkerGroupConfig,
@@ -125,7 +125,7 @@ def _reap(ranks: Sequence[_ProcessRank]) -> None:
     """Stop every worker process: ask, then SIGTERM, then SIGKILL; close the pipes."""
     for rank in ranks:
         with contextlib.suppress(OSError):
-            rank.conn.send(Shutdown())
+            rank.conn.send(Exit())
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S
     for rank in ranks:
         rank.process.join(max(0.0, deadline - time.monotonic()))
