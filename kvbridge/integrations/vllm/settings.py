@@ -81,7 +81,7 @@ class VllmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             synchronously: in the step that schedules the request, before its
             forward (vLLM's ``load_kv_async=False``), so the first token comes
             two engine steps sooner; that step's forward waits for the read
-            (about a millisecond per MiB on one host). Larger loads run
+            (its cost: docs/benchmarks.md, "Figures behind the code"). Larger loads run
             asynchronously while other requests keep stepping. 0: every load
             asynchronous. Default (None): 4 MiB when D's
             ``kv_load_failure_policy`` is ``recompute`` (a load late for its
