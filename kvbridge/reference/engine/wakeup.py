@@ -7,12 +7,12 @@ thread, in another process. A ``threading.Event`` reaches only the first, so
 the engine used to poll its workers with a back-off, which added up to its
 longest wait to TTFT. A ``Wakeup`` is one non-blocking pipe::
 
-    engine thread   wait(timeout) --select--> [read end]  <-- set(): own threads
+    engine thread   wait(timeout) --poll----> [read end]  <-- set(): own threads
     worker process  WakeupSender() --write--> [write end] (a dup, sent at spawn)
 
 ``set`` writes one byte (several sets before a ``clear`` just fill the pipe a
 little; a full pipe means a wake-up is pending anyway), ``clear`` drains,
-``wait`` selects. The same interface as ``threading.Event`` (``set``, ``clear``,
+``wait`` polls. The same interface as ``threading.Event`` (``set``, ``clear``,
 ``wait``), plus :meth:`sender` for other processes.
 """
 
@@ -83,8 +83,9 @@ class Wakeup:
         """Sleep until ``set`` (True) or ``timeout_s`` passed (False); consumes nothing."""
         if self._closed:
             return True
-        ready, _, _ = select.select([self._read_fd], [], [], timeout_s)
-        return bool(ready)
+        poller = select.poll()  # not select(): it refuses descriptors from 1024 up
+        poller.register(self._read_fd, select.POLLIN)
+        return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))
 
     def sender(self) -> WakeupSender:
         """A callable that sets this flag, for another thread or a spawned process."""

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import resource
 import threading
+
+import pytest
 
 from kvbridge.reference.engine.wakeup import Wakeup, WakeupSender
 
@@ -72,3 +76,29 @@ def test_closed_flag_ignores_sets_and_does_not_block() -> None:
     assert flag.wait(5.0)  # at once: nothing can set a closed flag
     flag.close()
     sender.close()
+
+
+def test_a_flag_on_descriptors_above_1024_still_waits() -> None:
+    """A process with many files open (an engine serving many clients) gets pipe ends
+    from 1024 up, where ``select`` refuses to wait: the flag must not care."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    spare = []
+    try:
+        while (fd := os.dup(0 if os.path.exists("/proc/self/fd/0") else 1)) < 1030:
+            spare.append(fd)
+        os.close(fd)
+        flag = Wakeup()
+        try:
+            assert flag._read_fd >= 1024
+            assert not flag.wait(0.01)
+            flag.set()
+            assert flag.wait(1.0)
+        finally:
+            flag.close()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
