@@ -42,9 +42,17 @@ BASE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONUNBUFFERED": "1",
 }
-_DROPPED_ENV = ("TRITON_INTERPRET",)  # kvbridge's kernel tests' setting; not for vLLM
+DROPPED_ENV = ("TRITON_INTERPRET",)  # kvbridge's kernel tests' setting; not for vLLM
 _SHM_DIR = Path("/dev/shm")
 _PR_SET_PDEATHSIG = 1
+
+
+def server_environ(tmp_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """A vLLM server's environment: this process's without ``DROPPED_ENV``, then
+    ``BASE_ENV``, its private ``TMPDIR`` and ``env`` (each overriding the last)."""
+    environ = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    environ.update(BASE_ENV, TMPDIR=str(tmp_dir), **env)
+    return environ
 
 
 class ServerError(RuntimeError):
@@ -111,8 +119,7 @@ class VllmServer:
         if self.pid is not None:
             raise RuntimeError(f"{self.name} was started already")
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-", dir="/tmp"))
-        environ = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
-        environ.update(BASE_ENV, TMPDIR=str(self._tmp_dir), **self.env)
+        environ = server_environ(self._tmp_dir, self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(

@@ -32,7 +32,6 @@ Not thread-safe: one pytest process drives these.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -49,37 +48,12 @@ from types import TracebackType
 
 import httpx
 
+from kvbridge.bench.vllm_servers import child_setup, server_environ
 from tests.ports import free_port
 
 SHM_DIR = Path("/dev/shm")
 
-# What the CPU build needs (measured): a small KV cache (GiB) and no thread
-# pinning for a single worker; the TP ranks get one core each ("0|1"). The
-# rest keeps vLLM on loopback and off the network (it would pick the host's
-# address for its message queues and try to send usage stats).
-BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "PYTHONUNBUFFERED": "1",
-}
-# Set by `make pytest` for kvbridge's kernels; a vLLM child has no use for it.
-DROPPED_ENV = ("TRITON_INTERPRET",)
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _term_with_parent() -> None:
-    """In the child before exec: SIGTERM it when pytest dies, even by SIGKILL.
-
-    A server outliving a killed test run would hold its ~3 GB until someone
-    noticed. (Only a libc call here: between fork and exec nothing may import.)
-    """
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+_TP_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # BASE_ENV's "nobind"; one core per TP rank: "0|1"
 
 
 class VllmServerError(RuntimeError):
@@ -98,7 +72,7 @@ class ServerSpec:
         tensor_parallel_size: >1 adds ``--distributed-executor-backend mp``.
         kv_transfer_config: JSON text for ``--kv-transfer-config``, or None.
         extra_args: Further command-line arguments, appended as given.
-        env: Extra environment ``(name, value)`` pairs; they override ``BASE_ENV``.
+        env: Extra environment ``(name, value)`` pairs; they override the benchmark's ``BASE_ENV``.
         instance: Tells apart servers that are otherwise identical (e.g. "b").
     """
 
@@ -154,14 +128,11 @@ class ServerSpec:
         return argv + list(self.extra_args)
 
     def environ(self, tmp_dir: Path) -> dict[str, str]:
-        """This process's environment plus ``BASE_ENV``, thread binding, TMPDIR and ``env``."""
-        environ = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-        environ.update(BASE_ENV)
-        tp = self.tensor_parallel_size
-        environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp))) if tp > 1 else "nobind"
-        environ["TMPDIR"] = str(tmp_dir)
-        environ.update(self.env)
-        return environ
+        """The benchmark's server environment (``BASE_ENV``, TMPDIR), TP binding, ``env``."""
+        env = dict(self.env)
+        if self.tensor_parallel_size > 1:
+            env.setdefault(_TP_BIND, "|".join(map(str, range(self.tensor_parallel_size))))
+        return server_environ(tmp_dir, env)
 
 
 @dataclass
@@ -221,7 +192,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.spec.environ(self._tmp_dir),
                 start_new_session=True,  # its own process group, killed as one
-                preexec_fn=_term_with_parent,
+                preexec_fn=child_setup(None),  # SIGTERM when pytest dies
             )
         self.pid = self._proc.pid
 
