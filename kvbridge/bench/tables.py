@@ -206,7 +206,7 @@ def serve_profile_table(report: dict[str, Any]) -> str:
                               if pr.get(proc, {}).get(key) is not None]
                     if key in profiles[0][proc]:
                         means.append(f"{sum(values) / len(values):,.0f}" if values else "-")
-                return " / ".join(means)
+                return " / ".join(means) or "-"  # e.g. CPU of a --url deployment: not known
 
             rows.append([workload, load, name, " / ".join(procs), cells("cpu_percent"),
                          cells("queue_ms"), cells("prefill_ms"), cells("decode_ms")])

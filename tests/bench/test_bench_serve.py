@@ -284,6 +284,10 @@ def test_url_measures_a_running_server_and_leaves_it_running(tmp_path: Path) -> 
         # a deployment's profile: the phases of the servers named by --server-url
         assert point["profile"][server.url]["requests"] == 4
         assert "cpu_percent" not in point["profile"][server.url]
+        [row] = [[cell.strip() for cell in line.strip("|").split("|")]
+                 for line in bench_tables.serve_profile_table(record["result"]).splitlines()
+                 if "c=2" in line]
+        assert row[2:5] == [server.url, server.url, "-"]  # its CPU is not known: said so
         # nothing of the deployment was started or stopped by the benchmark
         assert "logs" not in result
         assert httpx.get(f"{server.url}/v1/models", timeout=10.0).status_code == 200
