@@ -34,6 +34,7 @@ that is already running is a configuration, swept the same way
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
@@ -189,16 +190,23 @@ def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
                                "input_len": point.input_len, "output_len": point.output_len,
                                "loadavg": os.getloadavg()[0]}
         result_path = out / "serve-results" / f"{label}.json"
-        before = target.snapshot()
+        # the profile's window: from the client's timed part (its start-up and test
+        # request left out; from its start if its log never says) to idle servers
+        starts = [target.snapshot()]
+        mark_start = functools.partial(_append_snapshot, starts, target)
         raw = run_point(point, target.url, target.model, result_path,
                         out / "serve-logs" / f"client-{label}.log", plan["point_timeout_s"],
-                        target.tokenizer)
+                        target.tokenizer, on_main_run=mark_start)
         row.update(parse_result(raw, point.output_len), result_file=str(result_path))
         result["points"].append(row)
         tick(label)
         wait_idle(target.server_urls)
-        row["profile"] = serve_profile.usage(before, target.snapshot(), raw["duration"])
+        row["profile"] = serve_profile.usage(starts[-1], target.snapshot())
     return len(points)
+
+
+def _append_snapshot(snapshots: list[serve_profile.Snapshot], target: Target) -> None:
+    snapshots.append(target.snapshot())
 
 
 def run_deployment(target: Target, points: list[tuple[str, str, Point]], out: Path,

@@ -16,10 +16,15 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# What ``vllm bench serve`` prints after its start-up (its test request and warm-up, if
+# any), as its timed part begins (vllm/benchmarks/serve.py, vLLM 0.32).
+MAIN_RUN_MARK = b"Starting main benchmark run"
 PERCENTILES = (50, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _COUNTS = ("completed", "failed", "duration", "request_throughput", "request_goodput",
@@ -84,11 +89,14 @@ class ClientError(RuntimeError):
 
 
 def run_point(point: Point, base_url: str, model: str | Path, result_path: Path,
-              log_path: Path, timeout_s: float,
-              tokenizer: str | Path | None = None) -> dict[str, Any]:
+              log_path: Path, timeout_s: float, tokenizer: str | Path | None = None,
+              on_main_run: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run ``vllm bench serve`` for ``point`` in a child process; its saved JSON.
 
-    ``model`` and ``tokenizer`` as :func:`client_argv`.
+    ``model`` and ``tokenizer`` as :func:`client_argv`. ``on_main_run`` is called
+    (from this thread, within ~20 ms) when the child's log says its timed part
+    begins (:data:`MAIN_RUN_MARK`): after its start-up and its single test
+    request; not at all if the log never says so.
 
     Raises:
         ClientError: it exited non-zero, saved nothing, or ran past ``timeout_s``
@@ -96,25 +104,55 @@ def run_point(point: Point, base_url: str, model: str | Path, result_path: Path,
     """
     argv = [sys.executable, "-m", "kvbridge.bench.serve_client",
             *client_argv(point, base_url, model, result_path, tokenizer)]
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "PYTHONUNBUFFERED": "1"}  # the mark reaches the log when printed
     if Path(tokenizer or model).is_dir():  # a Hugging Face name may need the hub
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result_path.unlink(missing_ok=True)
     result_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         try:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                  stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                  check=False)
+            wait_for_mark(proc, log_path, time.monotonic() + timeout_s, on_main_run)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise ClientError(f"vllm bench serve ran past {timeout_s:.0f} s; "
                               f"{log_path} ends:\n{_tail(log_path)}") from None
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
     if proc.returncode != 0 or not result_path.is_file():
         raise ClientError(f"vllm bench serve exited with {proc.returncode}; {log_path} "
                           f"ends:\n{_tail(log_path)}")
     raw: dict[str, Any] = json.loads(result_path.read_text())
     return raw
+
+
+def wait_for_mark(proc: subprocess.Popen[bytes], log_path: Path, deadline: float,
+                   on_main_run: Callable[[], None] | None) -> None:
+    """Wait for ``proc`` until ``deadline``, calling ``on_main_run`` once its log
+    shows :data:`MAIN_RUN_MARK`.
+
+    Raises:
+        subprocess.TimeoutExpired: ``proc`` still runs at ``deadline``.
+    """
+    with log_path.open("rb") as log:
+        seen = b""
+        while on_main_run is not None:
+            seen = seen[-len(MAIN_RUN_MARK):] + log.read()
+            if MAIN_RUN_MARK in seen:
+                on_main_run()
+                break
+            if proc.poll() is not None:
+                return
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, 0)
+            time.sleep(0.02)
+    proc.wait(max(deadline - time.monotonic(), 0.0))
 
 
 def parse_result(raw: dict[str, Any], output_len: int) -> dict[str, Any]:

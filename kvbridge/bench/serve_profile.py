@@ -1,14 +1,15 @@
 """Where each process's time went during one ``kvbridge bench serve`` point.
 
 Called by ``kvbridge/bench/serve_bench.py`` around every point: :func:`snapshot`
-before and after (after the servers are idle again, so that every request of
-the point is counted), then :func:`usage`. Per vLLM server it gives
+when ``vllm bench serve`` starts its timed part (after its start-up: loading
+the tokenizer, building the prompts) and after the point (once the servers are idle again, so
+that every request of the point is counted), then :func:`usage`. Per vLLM
+server it gives
 
 - ``cpu_percent``: CPU time of its whole process group (API server, engine
-  core, workers, kvbridge's transfer agent) over the point's duration as
-  ``vllm bench serve`` measured it (first request sent to last answer), in %
-  of one core; with ``--cores split`` each server has one core, so near 100
-  means that core was never idle;
+  core, workers, kvbridge's transfer agent) between the two snapshots, in % of
+  one core over the time between them; with ``--cores split`` each server has
+  one core, so near 100 means that core was never idle;
 - ``requests``: the requests it finished;
 - ``queue_ms``, ``prefill_ms``, ``decode_ms``: vLLM's own per-request means
   (``vllm:request_{queue,prefill,decode}_time_seconds``): waiting to be
@@ -22,6 +23,7 @@ time makes up most of TTFT has too little compute for its prefills.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,7 @@ class Snapshot:
 
     cpu_s: dict[str, float]
     phases: dict[str, dict[str, tuple[float, float]]]  # server -> phase -> (sum s, count)
+    taken: float  # time.monotonic() when taken
 
 
 def snapshot(servers: dict[str, str], groups: dict[str, int]) -> Snapshot:
@@ -55,14 +58,16 @@ def snapshot(servers: dict[str, str], groups: dict[str, int]) -> Snapshot:
         phases[name] = {
             phase: (total(samples, f"{metric}_sum"), total(samples, f"{metric}_count"))
             for phase, metric in _PHASES.items()}
-    return Snapshot({name: group_cpu_s(pgid) for name, pgid in groups.items()}, phases)
+    cpu_s = {name: group_cpu_s(pgid) for name, pgid in groups.items()}
+    return Snapshot(cpu_s, phases, time.monotonic())
 
 
-def usage(before: Snapshot, after: Snapshot, busy_s: float) -> dict[str, dict[str, Any]]:
+def usage(before: Snapshot, after: Snapshot) -> dict[str, dict[str, Any]]:
     """Per server and process group: CPU used between the snapshots in % of one core
-    over ``busy_s``, requests finished, and the mean of each phase in ms (None where no
-    request finished). A deployment's servers (``--url``) have phases only."""
-    wall_s = max(busy_s, 1e-9)
+    over the time between them, requests finished, and the mean of each phase in ms
+    (None where no request finished). A deployment's servers (``--url``) have phases
+    only."""
+    wall_s = max(after.taken - before.taken, 1e-9)
     result: dict[str, dict[str, Any]] = {}
     for name in {**after.phases, **after.cpu_s}:  # servers first, then the front end
         row: dict[str, Any] = {}

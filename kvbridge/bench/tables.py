@@ -213,8 +213,8 @@ def serve_profile_table(report: dict[str, Any]) -> str:
     _sort_by_point(rows, list(report["configs"]))
     return "\n".join([markdown_table(headers, rows), "", "queue: waiting to be scheduled; "
                       "prefill: scheduled to first token; decode: first to last token "
-                      "(vLLM's means per request); CPU: each process group's, over the "
-                      "point's duration"])
+                      "(vLLM's means per request); CPU: each process group's, from the "
+                      "client's timed part to idle servers"])
 
 
 def serve_table(report: dict[str, Any]) -> str:

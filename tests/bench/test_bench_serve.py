@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from kvbridge.bench import serve_bench, serve_configs
 from kvbridge.bench import tables as bench_tables
 from kvbridge.bench.cli import build_parser
 from kvbridge.bench.plots import save_plot
-from kvbridge.bench.serve_client import client_argv, parse_result
+from kvbridge.bench.serve_client import MAIN_RUN_MARK, client_argv, parse_result, wait_for_mark
 from kvbridge.bench.vllm_models import build_model
 from kvbridge.bench.vllm_servers import VllmServer, start_all
 from kvbridge.cli.demo.procs import reserve_ports
@@ -121,6 +124,33 @@ def test_the_command_line_takes_the_sweep() -> None:
         serve_bench.run(quick=True, configs=["dynamo"])
     with pytest.raises(ValueError, match="no rate and no concurrency point"):
         serve_bench.run(quick=True, rates=[], concurrency=[])
+
+
+def _child_printing(log_path: Path, script: str) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        return subprocess.Popen([sys.executable, "-u", "-c", script], stdout=log)
+
+
+def test_the_profile_window_opens_when_the_client_starts_its_timed_part(tmp_path: Path) -> None:
+    # the child: a start-up, the mark in the middle of a line's chunks, then the timed part
+    log = tmp_path / "client.log"
+    mark = MAIN_RUN_MARK.decode()
+    proc = _child_printing(log, "import sys, time; print('loading the tokenizer'); "
+                                f"time.sleep(0.3); sys.stdout.write({mark[:9]!r}); "
+                                f"sys.stdout.flush(); time.sleep(0.2); print({mark[9:]!r}); "
+                                "time.sleep(0.5)")
+    seen: list[bytes] = []
+    wait_for_mark(proc, log, time.monotonic() + 30, lambda: seen.append(log.read_bytes()))
+    assert proc.returncode == 0 and len(seen) == 1 and MAIN_RUN_MARK in seen[0]
+    # a client that never says so: no window start (the caller keeps its first snapshot)
+    proc = _child_printing(log, "print('an older vllm bench serve')")
+    wait_for_mark(proc, log, time.monotonic() + 30, lambda: seen.append(b""))
+    assert proc.returncode == 0 and len(seen) == 1
+    proc = _child_printing(log, "import time; time.sleep(30)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        wait_for_mark(proc, log, time.monotonic() + 0.3, lambda: None)
+    proc.kill()
+    proc.wait()
 
 
 def test_a_configuration_without_its_tool_is_skipped_with_the_install_command(
