@@ -190,23 +190,23 @@ def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
                                "input_len": point.input_len, "output_len": point.output_len,
                                "loadavg": os.getloadavg()[0]}
         result_path = out / "serve-results" / f"{label}.json"
-        # the profile's window: from the client's timed part (its start-up and test
-        # request left out; from its start if its log never says) to idle servers
-        starts = [target.snapshot()]
-        mark_start = functools.partial(_append_snapshot, starts, target)
+        # the profile: vLLM's phases of every request of the point; CPU from the
+        # client's timed part (its start-up left out, unless its log never says)
+        window = [target.snapshot()]
         raw = run_point(point, target.url, target.model, result_path,
                         out / "serve-logs" / f"client-{label}.log", plan["point_timeout_s"],
-                        target.tokenizer, on_main_run=mark_start)
+                        target.tokenizer,
+                        on_main_run=functools.partial(_restart_cpu, window, target))
         row.update(parse_result(raw, point.output_len), result_file=str(result_path))
         result["points"].append(row)
         tick(label)
         wait_idle(target.server_urls)
-        row["profile"] = serve_profile.usage(starts[-1], target.snapshot())
+        row["profile"] = serve_profile.usage(window[0], target.snapshot())
     return len(points)
 
 
-def _append_snapshot(snapshots: list[serve_profile.Snapshot], target: Target) -> None:
-    snapshots.append(target.snapshot())
+def _restart_cpu(window: list[serve_profile.Snapshot], target: Target) -> None:
+    window[0] = serve_profile.restart_cpu(window[0], dict(target.groups))
 
 
 def run_deployment(target: Target, points: list[tuple[str, str, Point]], out: Path,

@@ -1,19 +1,24 @@
 """Where each process's time went during one ``kvbridge bench serve`` point.
 
 Called by ``kvbridge/bench/serve_bench.py`` around every point: :func:`snapshot`
-when ``vllm bench serve`` starts its timed part (after its start-up: loading
-the tokenizer, building the prompts) and after the point (once the servers are idle again, so
-that every request of the point is counted), then :func:`usage`. Per vLLM
+before the client starts, :func:`restart_cpu` when ``vllm bench serve`` starts
+its timed part (after its start-up: loading the tokenizer, building the
+prompts), :func:`snapshot` after the point (once the servers are idle again,
+so that every request of the point is counted), then :func:`usage`. Per vLLM
 server it gives
 
 - ``cpu_percent``: CPU time of its whole process group (API server, engine
-  core, workers, kvbridge's transfer agent) between the two snapshots, in % of
-  one core over the time between them; with ``--cores split`` each server has
-  one core, so near 100 means that core was never idle;
+  core, workers, kvbridge's transfer agent) from the timed part's start to
+  idle servers, in % of one core over that time; with ``--cores split`` each
+  server has one core, so near 100 means that core was never idle;
 - ``requests``: the requests it finished;
 - ``queue_ms``, ``prefill_ms``, ``decode_ms``: vLLM's own per-request means
   (``vllm:request_{queue,prefill,decode}_time_seconds``): waiting to be
-  scheduled, scheduled to first token, first to last token.
+  scheduled, scheduled to first token, first to last token;
+- ``read_ms``: the connector's mean KV read (one per D worker and request:
+  ``vllm:kvbridge_transfer_seconds`` or NixlConnector's
+  ``vllm:nixl_xfer_time_seconds``), part of D's queue time (a request waits
+  unscheduled while its KV is read); None where nothing was read.
 
 and for the front end (router or proxy) its CPU. Against a running deployment
 (``--url``, ``--server-url``) only the phases are known. This is the profile behind a
@@ -24,15 +29,17 @@ time makes up most of TTFT has too little compute for its prefills.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.bench.proc_cpu import cpu_snapshot
 from kvbridge.bench.vllm_servers import scrape, total
 
-_PHASES = {"queue_ms": "vllm:request_queue_time_seconds",
-           "prefill_ms": "vllm:request_prefill_time_seconds",
-           "decode_ms": "vllm:request_decode_time_seconds"}
+_PHASES = {"queue_ms": ("vllm:request_queue_time_seconds",),
+           "prefill_ms": ("vllm:request_prefill_time_seconds",),
+           "decode_ms": ("vllm:request_decode_time_seconds",),
+           # a D's KV reads, by whichever connector it runs (None where it read nothing)
+           "read_ms": ("vllm:kvbridge_transfer_seconds", "vllm:nixl_xfer_time_seconds")}
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -56,10 +63,19 @@ def snapshot(servers: dict[str, str], groups: dict[str, int]) -> Snapshot:
     for name, url in servers.items():
         samples = scrape(url)
         phases[name] = {
-            phase: (total(samples, f"{metric}_sum"), total(samples, f"{metric}_count"))
-            for phase, metric in _PHASES.items()}
+            phase: (sum(total(samples, f"{metric}_sum") for metric in metrics),
+                    sum(total(samples, f"{metric}_count") for metric in metrics))
+            for phase, metrics in _PHASES.items()}
     cpu_s = {name: group_cpu_s(pgid) for name, pgid in groups.items()}
     return Snapshot(cpu_s, phases, time.monotonic())
+
+
+def restart_cpu(counters: Snapshot, groups: dict[str, int]) -> Snapshot:
+    """``counters`` with its CPU seconds (and time) read now, its phases kept: requests
+    that end from now on are counted from the earlier snapshot, CPU from now (only
+    /proc is read: no request can end while it is taken)."""
+    cpu_s = {name: group_cpu_s(pgid) for name, pgid in groups.items()}
+    return replace(counters, cpu_s=cpu_s, taken=time.monotonic())
 
 
 def usage(before: Snapshot, after: Snapshot) -> dict[str, dict[str, Any]]:
@@ -79,6 +95,7 @@ def usage(before: Snapshot, after: Snapshot) -> dict[str, dict[str, Any]]:
                 old_sum, old_count = before.phases[name][phase]
                 done = count - old_count
                 row[phase] = round(1000 * (sum_s - old_sum) / done, 1) if done else None
-                row["requests"] = int(done)  # the same count for every phase
+                if phase == "queue_ms":  # every request finished has each phase once
+                    row["requests"] = int(done)
         result[name] = row
     return result

@@ -188,7 +188,7 @@ def serve_profile_table(report: dict[str, Any]) -> str:
     """Per configuration and sweep point (mean over repeats), each process's CPU use and
     vLLM's per-request queue, prefill and decode time (``kvbridge/bench/serve_profile.py``)."""
     headers = ["workload", "load", "config", "processes", "CPU % of a core",
-               "queue ms", "prefill ms", "decode ms"]
+               "queue ms", "prefill ms", "decode ms", "KV read ms"]
     rows: list[list[Any]] = []
     for name, result in report["configs"].items():
         by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -209,11 +209,13 @@ def serve_profile_table(report: dict[str, Any]) -> str:
                 return " / ".join(means) or "-"  # e.g. CPU of a --url deployment: not known
 
             rows.append([workload, load, name, " / ".join(procs), cells("cpu_percent"),
-                         cells("queue_ms"), cells("prefill_ms"), cells("decode_ms")])
+                         cells("queue_ms"), cells("prefill_ms"), cells("decode_ms"),
+                         cells("read_ms")])
     _sort_by_point(rows, list(report["configs"]))
     return "\n".join([markdown_table(headers, rows), "", "queue: waiting to be scheduled; "
                       "prefill: scheduled to first token; decode: first to last token "
-                      "(vLLM's means per request); CPU: each process group's, from the "
+                      "(vLLM's means per request); KV read: the connector's mean read "
+                      "(part of D's queue); CPU: each process group's, from the "
                       "client's timed part to idle servers"])
 
 

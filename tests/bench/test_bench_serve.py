@@ -269,6 +269,7 @@ def test_one_configuration_runs_vllm_bench_serve_end_to_end(tmp_path: Path) -> N
     assert profile["P"]["requests"] == profile["D"]["requests"] == 4
     assert all(profile[name]["cpu_percent"] > 0 for name in profile)
     assert profile["P"]["prefill_ms"] > 0 and profile["D"]["decode_ms"] > 0
+    assert profile["D"]["read_ms"] > 0 and profile["P"]["read_ms"] is None  # D reads, P not
 
 
 def test_url_refuses_what_would_start_servers_and_needs_a_model() -> None:
