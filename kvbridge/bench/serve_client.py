@@ -95,8 +95,8 @@ def run_point(point: Point, base_url: str, model: str | Path, result_path: Path,
 
     ``model`` and ``tokenizer`` as :func:`client_argv`. ``on_main_run`` is called
     (from this thread, within ~20 ms) when the child's log says its timed part
-    begins (:data:`MAIN_RUN_MARK`): after its start-up and its single test
-    request; not at all if the log never says so.
+    begins (:data:`MAIN_RUN_MARK`), after its start-up; not at all if the log
+    never says so (or the child exits first).
 
     Raises:
         ClientError: it exited non-zero, saved nothing, or ran past ``timeout_s``

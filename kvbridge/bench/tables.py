@@ -185,8 +185,9 @@ def _sort_by_point(rows: list[list[Any]], order: list[str]) -> None:
 
 
 def serve_profile_table(report: dict[str, Any]) -> str:
-    """Per configuration and sweep point (mean over repeats), each process's CPU use and
-    vLLM's per-request queue, prefill and decode time (``kvbridge/bench/serve_profile.py``)."""
+    """Per configuration and sweep point (mean over repeats), each process's CPU use,
+    vLLM's per-request queue, prefill and decode time and D's mean KV read
+    (``kvbridge/bench/serve_profile.py``)."""
     headers = ["workload", "load", "config", "processes", "CPU % of a core",
                "queue ms", "prefill ms", "decode ms", "KV read ms"]
     rows: list[list[Any]] = []
