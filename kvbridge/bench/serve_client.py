@@ -116,14 +116,12 @@ def run_point(point: Point, base_url: str, model: str | Path, result_path: Path,
                                 stderr=subprocess.STDOUT, env=env)
         try:
             wait_for_mark(proc, log_path, time.monotonic() + timeout_s, on_main_run)
-        except subprocess.TimeoutExpired:
+        except BaseException as exc:  # the deadline, or the caller interrupted
             proc.kill()
             proc.wait()
-            raise ClientError(f"vllm bench serve ran past {timeout_s:.0f} s; "
-                              f"{log_path} ends:\n{_tail(log_path)}") from None
-        except BaseException:
-            proc.kill()
-            proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise ClientError(f"vllm bench serve ran past {timeout_s:.0f} s; "
+                                  f"{log_path} ends:\n{_tail(log_path)}") from None
             raise
     if proc.returncode != 0 or not result_path.is_file():
         raise ClientError(f"vllm bench serve exited with {proc.returncode}; {log_path} "
