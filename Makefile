@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm test-hosts demo test lint pytest bench bench-peers clean
+.PHONY: setup setup-vllm test-hosts demo test test-full lint pytest pytest-full bench bench-peers clean
 
 $(BIN)/.kvbridge-installed: pyproject.toml scripts/setup.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -31,14 +31,27 @@ test-hosts:
 	bash scripts/test_hosts.sh
 
 # KVBRIDGE_REQUIRE_VLLM=1: the vLLM tests fail, not skip, if vllm does not import.
+# The suite runs as two pytest processes side by side (scripts/pytest_pair.sh): the vLLM
+# package beside the rest. `make test` leaves out the sweeps marked `full` (each
+# repeats, over more sizes or shapes, a behaviour one of its tests checks); `make
+# test-full` runs them too. Each half ends with its time by package (tests/conftest.py)
+# and its slowest tests.
+PYTEST := KVBRIDGE_REQUIRE_VLLM=1 TRITON_INTERPRET=1 bash scripts/pytest_pair.sh $(BIN)/python \
+	-q --durations=25
 pytest: setup setup-vllm test-hosts
-	KVBRIDGE_REQUIRE_VLLM=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	$(PYTEST) -m "not full"
+
+pytest-full: setup setup-vllm test-hosts
+	$(PYTEST)
 
 # Lint (mypy: about a minute on one core) runs beside the suite once everything is
 # installed: pytest's collection and first tests leave the other core mostly idle.
 # Either failing fails `make test` (once one fails, one already running runs to its end).
 test: setup setup-vllm
 	$(MAKE) --no-print-directory -j2 lint pytest
+
+test-full: setup setup-vllm
+	$(MAKE) --no-print-directory -j2 lint pytest-full
 
 # Peers for the side-by-side transfer benchmark (optional: a peer that cannot be
 # installed is reported as "unavailable: <reason>"). --no-deps keeps torch as is.

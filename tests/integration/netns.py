@@ -46,6 +46,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple
 
+import pytest
+
 __all__ = [
     "DEFAULT_PREFIX", "DEFAULT_SUBNET", "HOST_IFNAME", "Host", "LinkStats", "NetemUnavailableError",
     "NetnsCommandError", "NetnsError", "NetnsLab", "check_netns_support", "cleanup_stale",
@@ -79,6 +81,15 @@ class NetnsCommandError(NetnsError):
 
 class NetemUnavailableError(NetnsError):
     """``tc`` or the kernel's sch_netem qdisc is missing; the caller decides what that means."""
+
+
+def netem_or_skip(lab: NetnsLab, host: Host | str, **shape: float) -> str:
+    """``lab.netem(host, **shape)``, or skip the calling test where this host can shape
+    no link (no sch_netem and no usable iptables NFQUEUE), with the reason."""
+    try:
+        return lab.netem(host, **shape)
+    except NetemUnavailableError as exc:
+        pytest.skip(f"this host cannot delay or drop packets: {exc}")
 
 
 class LinkStats(NamedTuple):

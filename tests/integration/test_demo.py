@@ -23,8 +23,10 @@ from typing import IO
 import pytest
 
 from kvbridge.cli.demo.procs import (
+    PORT_SPAN_ENV,
     ChildProcess,
     DemoError,
+    port_span,
     reserve_ports,
     stop_children,
     wait_ready,
@@ -231,6 +233,19 @@ def test_reserved_ports_are_free_and_disjoint() -> None:
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_reserved_ports_keep_to_the_span_named_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PORT_SPAN_ENV, "24000-24200")
+    assert port_span() == (24000, 24200)
+    bases = reserve_ports([3] * 20, seed=1)
+    assert all(24000 <= base <= 24200 - 3 for base in bases), bases
+    for bad in ("24000", "24000-24050", "80-9000", "a-b", "30000-20000"):
+        monkeypatch.setenv(PORT_SPAN_ENV, bad)
+        with pytest.raises(DemoError, match=PORT_SPAN_ENV):
+            reserve_ports([1])
 
 
 def test_a_child_that_dies_early_is_reported_with_its_output() -> None:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 from kvbridge.errors import KVBridgeError
 
-__all__ = ["READY_TIMEOUT_S", "STOP_TIMEOUT_S", "ChildProcess", "DemoError", "reserve_ports",
-           "stop_children", "wait_ready"]
+__all__ = ["PORT_SPAN_ENV", "READY_TIMEOUT_S", "STOP_TIMEOUT_S", "ChildProcess", "DemoError",
+           "port_span", "reserve_ports", "stop_children", "wait_ready"]
 
 #: Longest wait for a child's ready line (three engines starting on two cores).
 READY_TIMEOUT_S = 180.0
@@ -49,8 +49,7 @@ def reserve_ports(run_lengths: Sequence[int], seed: int | None = None) -> list[i
     Raises:
         DemoError: no free runs found after many tries.
     """
-    low = _ephemeral_low()
-    first, last = (20000, low) if low - 20000 >= 2000 else (20000, 30000)
+    first, last = port_span()
     rng = random.Random(seed)
     taken: set[int] = set()
     bases: list[int] = []
@@ -65,6 +64,35 @@ def reserve_ports(run_lengths: Sequence[int], seed: int | None = None) -> list[i
         else:
             raise DemoError(f"no run of {length} free ports found in [{first}, {last})")
     return bases
+
+
+#: "FIRST-LAST": where ``reserve_ports`` looks (e.g. two test runs side by side, each in
+#: its own span, or a span no other service of the host uses).
+PORT_SPAN_ENV = "KVBRIDGE_PORT_SPAN"
+
+
+def port_span() -> tuple[int, int]:
+    """``[first, last)`` of the ports ``reserve_ports`` hands out: ``$KVBRIDGE_PORT_SPAN``
+    if set, else from 20000 to the kernel's ephemeral range (20000-30000 if that
+    starts too low).
+
+    Raises:
+        DemoError: ``$KVBRIDGE_PORT_SPAN`` is not "FIRST-LAST" with
+            1024 <= FIRST < LAST - 100 <= 65435.
+    """
+    text = os.environ.get(PORT_SPAN_ENV)
+    if not text:
+        low = _ephemeral_low()
+        return (20000, low) if low - 20000 >= 2000 else (20000, 30000)
+    first_text, _, last_text = text.partition("-")
+    try:
+        first, last = int(first_text), int(last_text)
+    except ValueError:
+        first, last = 0, 0
+    if not 1024 <= first < last - 100 <= 65535 - 100:
+        raise DemoError(f"{PORT_SPAN_ENV}={text!r}: want FIRST-LAST, two ports with "
+                        f"1024 <= FIRST and at least 100 ports between them")
+    return first, last
 
 
 def _ephemeral_low() -> int:

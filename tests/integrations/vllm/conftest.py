@@ -24,6 +24,7 @@ tests are skipped with the import error, unless ``KVBRIDGE_REQUIRE_VLLM=1``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,16 +66,19 @@ MODULE_ORDER = (
 )
 
 
-#: ``import vllm`` in a child (``vllm_importable``), started once this package's tests
-#: are collected: it then runs beside the tests before them (~10 s of CI's wall time).
+#: ``import vllm`` and what vLLM can run on this CPU (``vllm_probe``), in a child
+#: (``vllm_importable``), started once this package's tests are collected: it then runs
+#: beside the tests before them (~10 s of CI's wall time).
 _probe: subprocess.Popen[str] | None = None
+_cpu_facts: dict[str, Any] = {}
 
 
 def _start_probe() -> subprocess.Popen[str]:
     global _probe
     if _probe is None:
-        _probe = subprocess.Popen([sys.executable, "-c", "import vllm"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _probe = subprocess.Popen([sys.executable, "-m", "tests.integrations.vllm.vllm_probe"],
+                                  cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return _probe
 
 
@@ -204,20 +209,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_importable() -> None:
-    """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) every test here if vllm does not import."""
+    """Skip (or, with KVBRIDGE_REQUIRE_VLLM=1, fail) every test here if vllm does not import;
+    keep what the probe found out about this CPU (``vllm_cpu``)."""
     probe = _start_probe()
     try:
-        _, stderr = probe.communicate(timeout=300)
+        stdout, stderr = probe.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         probe.kill()
-        _, stderr = probe.communicate()
+        stdout, stderr = probe.communicate()
     if probe.returncode == 0:
+        # vLLM logs to stdout: the probe's JSON is its last line
+        _cpu_facts.update(json.loads(stdout.strip().splitlines()[-1]))
         return
     error = stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
     reason = f"`import vllm` fails in {sys.executable}: {error[0]}"
     if os.environ.get(REQUIRE_VLLM_ENV) == "1":
         pytest.fail(f"{reason}\n{stderr[-4000:]}", pytrace=False)
     pytest.skip(f"{reason} (set {REQUIRE_VLLM_ENV}=1 to fail instead)")
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu(vllm_importable: None) -> dict[str, Any]:
+    """What vLLM's CPU build runs on this host, from vLLM's own checks (``vllm_probe``):
+    e.g. ``["fp8_kv_refusal"]``, vLLM's reason for refusing an fp8 KV cache here, or None."""
+    return dict(_cpu_facts)
 
 
 @pytest.fixture(scope="session")

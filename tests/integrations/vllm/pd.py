@@ -79,12 +79,13 @@ CHAT_TEMPLATE = "template_chatml.jinja"
 
 
 def fp32_spec(model: Path, instance: str = "", *extra_args: str,
-              kv_transfer_config: str = json.dumps(ZERO_CONFIG)) -> ServerSpec:
+              kv_transfer_config: str = json.dumps(ZERO_CONFIG),
+              worker_process: bool = False) -> ServerSpec:
     """A float32 tiny-Llama server (``tiny_llama_fp32``: wide logits, no near ties), by
     default with the zero config; no ``instance``/``extra_args``: test_pd_tp.py's TP 1."""
     return ServerSpec(model, dtype="float32", block_size=BLOCK_SIZE,
                       kv_transfer_config=kv_transfer_config, extra_args=extra_args,
-                      instance=instance)
+                      instance=instance, worker_process=worker_process)
 
 
 def tp_specs(model: Path) -> tuple[ServerSpec, ServerSpec]:
@@ -115,14 +116,18 @@ def router_specs(model: Path) -> tuple[ServerSpec, ServerSpec, ServerSpec]:
     test_pd.py covers synchronous loads); both serve chat. The third, a second P or a
     second D, has the zero config plus what test_router_faults.py needs of the P it
     kills and restarts: a fixed engine id and transfer port (``base_port``) and a short
-    lease (``ROUTER_THIRD_LEASE_S``)."""
+    lease (``ROUTER_THIRD_LEASE_S``). All three run their worker in a process of its
+    own, as vLLM's CPU build does by default (``ServerSpec.worker_process``): the
+    deployment behind the router is laid out as a CPU user's is."""
     third = json.loads(kv_config(base_port=router_third_transfer_port(),
                                  lease_s=ROUTER_THIRD_LEASE_S))
     third["engine_id"] = ROUTER_THIRD
-    return (fp32_spec(model, "router-p", "--chat-template", CHAT_TEMPLATE),
+    return (fp32_spec(model, "router-p", "--chat-template", CHAT_TEMPLATE,
+                      worker_process=True),
             fp32_spec(model, "router-d", "--chat-template", CHAT_TEMPLATE,
-                      kv_transfer_config=kv_config(sync_load_max_bytes=0)),
-            fp32_spec(model, ROUTER_THIRD, kv_transfer_config=json.dumps(third)))
+                      kv_transfer_config=kv_config(sync_load_max_bytes=0), worker_process=True),
+            fp32_spec(model, ROUTER_THIRD, kv_transfer_config=json.dumps(third),
+                      worker_process=True))
 
 
 #: The mixed server's synchronous-load threshold, in blocks (larger loads are asynchronous).

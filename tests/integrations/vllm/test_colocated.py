@@ -30,6 +30,7 @@ from tests.integrations.vllm.client import (
 )
 from tests.integrations.vllm.pd import pd_spec
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServerError
+from tests.marks import full_only
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -61,7 +62,7 @@ def test_server_that_exits_fails_fast_with_its_log(
     assert str(not_a_model) in str(raised.value)  # the log's tail is in the message
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [5, 128, 600])
+@pytest.mark.parametrize("num_prompt_tokens", [600, *full_only(5, 128)])
 def test_same_prompt_twice_gives_same_tokens(
     vllm_servers: ServersForTest, bf16_spec: ServerSpec, num_prompt_tokens: int
 ) -> None:

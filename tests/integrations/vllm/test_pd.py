@@ -61,6 +61,7 @@ from tests.integrations.vllm.pd import (
     warm_up,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+from tests.marks import full_only
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -115,7 +116,7 @@ def pd_pair(
     return p, d
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [5, BLOCK_SIZE, 600])  # <1, 1, 5 blocks
+@pytest.mark.parametrize("num_prompt_tokens", [5, 600, *full_only(BLOCK_SIZE)])  # <1, 5, 1 blocks
 def test_pd_answers_equal_colocated_and_d_loads_the_prompt(
     vllm_servers: ServersForTest,
     ref_spec: ServerSpec,

@@ -27,6 +27,7 @@ from tests.integrations.vllm.pd import (
     BLOCK_SIZE,
     FAILURES,
     HELD_REQUESTS,
+    LATE_SYNC_LOADS,
     SYNC_BLOCKS,
     TRANSFERS,
     counters,
@@ -189,7 +190,11 @@ def test_n_choices_and_several_prompts_through_kvbridge_proxy_leave_no_grant_hel
         "n must be 1 when using greedy sampling, got 2."] * 2
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) + m.get(FAILURES, 0)
                          >= before[TRANSFERS] + before[FAILURES] + 1)
-    assert after.get(FAILURES, 0) == before[FAILURES] and after[TRANSFERS] > before[TRANSFERS]
+    # a failed read here is only a synchronous load past its deadline on a loaded or
+    # slow host (cancelled and recomputed: the answers above are right)
+    num_failed = after.get(FAILURES, 0) - before[FAILURES]
+    assert num_failed <= after.get(LATE_SYNC_LOADS, 0) - before[LATE_SYNC_LOADS]
+    assert after[TRANSFERS] > before[TRANSFERS]
     assert num_choices == 13
     wait_usage(p.base_url)
     wait_usage(d.base_url)

@@ -39,7 +39,7 @@ def test_a_data_parallel_d_loads_on_whichever_rank_serves(
                           instance=instance)
 
     p = vllm_servers.shared(spec("p"))
-    d = vllm_servers.private(spec("d-dp2", "--data-parallel-size", "2"), startup_timeout_s=400)
+    d = vllm_servers.private(spec("d-dp2", "--data-parallel-size", "2"))
     for i, num_tokens in enumerate([5, 300, 700, 129, 40, 900]):
         prompt = prompt_ids(num_tokens, seed=90 + i)
         expected = complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids

@@ -10,7 +10,9 @@ prompt), random-weight models built here (``tiny_hybrid.py``):
   others (kvbridge's byte counter says how many).
 - linear attention: a Qwen3-Next shape, 3 gated-delta-net layers (a recurrent
   state per request) and 1 full-attention layer, MoE; vLLM makes its block
-  size 160 (a state's page). Both flows, on the same servers: classic (D
+  size large enough for a state's page, from what the CPU's attention kernels
+  take (160 tokens on a host with AVX-512, 96 on one with AVX2 only): the tests
+  read it from the running server (``cache_config``). Both flows, on the same servers: classic (D
   recomputes the last prompt token: P, asked without ``first_token_flow``,
   computes the prompt without it and holds the state before it) and
   first-token (``kvbridge proxy``'s flow, here also by hand: P computes the
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,6 +40,7 @@ import pytest
 from tests.integrations.vllm.client import (
     EXTERNAL_PREFIX_CACHE_HITS,
     PREFIX_CACHE_HITS,
+    cache_config,
     complete,
     metrics,
     poll_metrics,
@@ -57,21 +60,28 @@ from tests.integrations.vllm.pd import (
     wait_usage,
 )
 from tests.integrations.vllm.servers import ServersForTest, ServerSpec, VllmServer
+from tests.marks import full_only
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @dataclass(frozen=True)
 class Family:
-    """A hybrid model as the tests see it."""
+    """A hybrid model as the tests see it (``block_size`` once read from its server)."""
 
     kind: str  # tiny_hybrid kind
-    block_size: int  # what vLLM uses
-    page_nbytes: int  # one block of the (one) cache buffer
+    token_nbytes: int  # one token's share of a block of the (one) cache buffer
     window: int  # sliding-window tokens (0: none)
     num_windows: int  # sliding-window groups
     num_states: int  # recurrent-state groups
     many: int  # a prompt of many blocks
+    block_size: int = 0  # what vLLM uses on this host: 0 until ``servers`` reads it
+
+    @property
+    def page_nbytes(self) -> int:
+        """One block of the (one) cache buffer."""
+        assert self.block_size, "the block size is read from the server (``servers``)"
+        return self.block_size * self.token_nbytes
 
     @property
     def flows(self) -> tuple[str, ...]:
@@ -96,10 +106,9 @@ class Family:
         return num_blocks * self.page_nbytes
 
 
-# page: 2 KV heads x block x (K+V of head size) x 2 bytes
-SWA = Family("gemma3", 32, 2 * 32 * 64 * 2, window=96, num_windows=4, num_states=0, many=600)
-LINEAR = Family("qwen3_next", 160, 2 * 160 * 128 * 2, window=0, num_windows=0, num_states=3,
-                many=700)
+# a token's share of a page: 2 KV heads x (K+V of head size) x 2 bytes
+SWA = Family("gemma3", 2 * 64 * 2, window=96, num_windows=4, num_states=0, many=600)
+LINEAR = Family("qwen3_next", 2 * 128 * 2, window=0, num_windows=0, num_states=3, many=700)
 FAMILIES = [pytest.param(SWA, id="sliding-window"), pytest.param(LINEAR, id="linear-attention")]
 
 
@@ -127,12 +136,14 @@ def spec(model: Path, family: Family, instance: str) -> ServerSpec:
 
 
 def servers(vllm_servers: ServersForTest, models: Callable[[Family], Path],
-            family: Family) -> tuple[VllmServer, VllmServer]:
+            family: Family) -> tuple[VllmServer, VllmServer, Family]:
     """The family's P and D, started together (two starts on two cores take little more
-    than one)."""
+    than one), and the family with the block size vLLM chose for it on this host."""
     model = models(family)
     p, d = vllm_servers.shared_all(spec(model, family, "p"), spec(model, family, "d"))
-    return p, d
+    block_size = int(cache_config(p.base_url)["block_size"])
+    assert int(cache_config(d.base_url)["block_size"]) == block_size
+    return p, d, replace(family, block_size=block_size)
 
 
 def colocated(p: VllmServer, prompt: list[int]) -> list[int]:
@@ -212,13 +223,13 @@ def hops(p: VllmServer, d: VllmServer, prompt: list[int], flow: str = "classic")
 
 
 @families()
-@pytest.mark.parametrize("size", ["short", "one-block", "many-blocks"])
+@pytest.mark.parametrize("size", ["many-blocks", *full_only("short", "one-block")])
 def test_pd_answers_equal_colocated_and_only_needed_blocks_move(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
     size: str,
 ) -> None:
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     num_tokens = {"short": 5, "one-block": family.block_size, "many-blocks": family.many}[size]
-    p, d = servers(vllm_servers, hybrid_models, family)
     prompt = pd_prompt(p, family, num_tokens, seed=40)
     for flow in family.flows:
         want = expected(p, family, prompt, flow)
@@ -239,14 +250,15 @@ def test_pd_answers_equal_colocated_and_only_needed_blocks_move(
 def test_sliding_window_moves_a_fraction_of_a_long_prompt(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
-    # the window's blocks, not the prompt's: 4 of 5 layers move 4 blocks of 63
-    p, d = servers(vllm_servers, hybrid_models, family)
+    # the window's blocks, not the prompt's: 4 of 5 layers move a few blocks of many
+    # (4 of 63 at 32 tokens a block)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     prompt = prompt_ids(2000, seed=41)
     want = colocated(p, prompt)
     result = hops(p, d, prompt)
     assert result.token_ids == want
-    whole = 5 * -(-1999 // SWA.block_size) * SWA.page_nbytes  # every layer, every block
-    assert result.nbytes == SWA.nbytes(0, 1999) == (63 + 4 * 4) * SWA.page_nbytes
+    whole = 5 * -(-1999 // family.block_size) * family.page_nbytes  # every layer, every block
+    assert result.nbytes == family.nbytes(0, 1999)
     assert result.nbytes < 0.26 * whole
 
 
@@ -254,7 +266,7 @@ def test_sliding_window_moves_a_fraction_of_a_long_prompt(
 def test_a_partial_prefix_hit_on_d_loads_only_the_rest(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
-    p, d = servers(vllm_servers, hybrid_models, family)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     bs = family.block_size
     # D keeps a state only where a prefill chunk ended on a block boundary: vLLM
     # ends the first chunk of a prompt at the last boundary before its last
@@ -281,7 +293,7 @@ def test_a_partial_prefix_hit_on_d_loads_only_the_rest(
 def test_requests_at_once(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
-    p, d = servers(vllm_servers, hybrid_models, family)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     prompts = [pd_prompt(p, family, n, seed=44)
                for n in (7, 90, family.block_size + 3, 333, 480, 650)]
     flows = [family.flows[index % len(family.flows)] for index in range(len(prompts))]
@@ -310,7 +322,7 @@ def test_through_kvbridge_proxy(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
     flow: str, tmp_path: Path,
 ) -> None:
-    p, d = servers(vllm_servers, hybrid_models, family)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     classic = flow == "classic"
     # four prompts, none a prefix of another (D's own cache holds none of them),
     # whose first answer token is a whole character: the proxy then takes the
@@ -368,7 +380,7 @@ def test_a_state_after_another_token_count_is_not_loaded(
     # P asked for the first-token flow holds the state after the whole prompt;
     # D then asked the classic way (a proxy that changed its mind) needs it one
     # token earlier, which no state can give: D prefills itself
-    p, d = servers(vllm_servers, hybrid_models, family)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
     prompt = prompt_ids(400, seed=46)
     want = colocated(p, prompt)
     before = counters(d.base_url)
@@ -388,15 +400,16 @@ def test_a_window_block_p_freed_is_not_loaded(
     vllm_servers: ServersForTest, hybrid_models: Callable[[Family], Path], family: Family,
 ) -> None:
     # P, having computed all 607 tokens, freed the block ending at token 512;
-    # D, computing token 606, still attends to token 511
-    p, d = servers(vllm_servers, hybrid_models, family)
-    prompt = prompt_ids(512 + SWA.window - 1, seed=47)
+    # D, computing token 606, still attends to token 511 (at 32 tokens a block)
+    p, d, family = servers(vllm_servers, hybrid_models, family)
+    boundary = 16 * family.block_size
+    prompt = prompt_ids(boundary + family.window - 1, seed=47)
     want = colocated(p, prompt)
     before = counters(d.base_url)
     result = pd_complete(p.base_url, d.base_url, prompt)
     assert result.completion.token_ids == want
     assert (result.num_transfers, result.external_hits) == (0, 0)
-    assert after_log_names(d, "sliding window 96")
+    assert after_log_names(d, f"sliding window {family.window}")
     assert counters(d.base_url)[TRANSFERS] == before[TRANSFERS]
     wait_usage(p.base_url)
 
