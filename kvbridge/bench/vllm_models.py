@@ -8,14 +8,16 @@ benchmark's process), one per family kvbridge moves:
 kind        model (builder)
 ==========  =====================================================================
 dense       Llama, GQA (``tiny_model``)
-mla         DeepSeek-V2, MLA latent 576, dense MLPs (``tiny_families``); vLLM on
-            CPU forces block size 16 and turns prefix caching off
+mla         DeepSeek-V2, MLA latent 576, dense MLPs (``tiny_families``); vLLM's
+            reference CPU MLA backend forces block size 16 and turns prefix caching
+            off (on a CPU with AMX vLLM picks AMX_MLA instead)
 moe         Qwen3-MoE, dense GQA attention (``tiny_families``)
 swa         Gemma 3: 4 sliding-window layers (96 tokens) + 1 full-attention layer
             (``tiny_hybrid gemma3``); D loads only the window of a long prompt
 linear      Qwen3-Next: 3 gated-delta-net layers (a recurrent state per request)
             + 1 full-attention layer, MoE (``tiny_hybrid qwen3_next``); vLLM
-            makes its block size 160 (one state's page)
+            makes its block size hold one state's page, a size that depends on the
+            CPU's attention kernels (160 tokens with AVX-512, 96 with AVX2 only)
 ==========  =====================================================================
 """
 
@@ -38,7 +40,8 @@ MODEL_LABELS = {
     "linear": "random Qwen3-Next (3 gated-delta-net layers, 1 full-attention layer, MoE), "
               "hidden 128",
 }
-#: ``--block-size`` per kind (vLLM may raise it: MLA 16 on CPU, linear 160).
+#: ``--block-size`` per kind (vLLM may change it: MLA 16 on CPU_MLA, linear to a state's
+#: page, which depends on the CPU).
 BLOCK_SIZES = {"dense": 128, "mla": 128, "moe": 128, "swa": 32, "linear": 32}
 _HYBRID = {"swa": "gemma3", "linear": "qwen3_next"}  # tiny_hybrid's kinds
 

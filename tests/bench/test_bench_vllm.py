@@ -79,8 +79,10 @@ def test_a_sliding_window_model_moves_only_the_window_of_a_long_prompt(tmp_path:
     _vllm_or_skip()
     from kvbridge.bench import vllm_bench
 
+    # a deadline a loaded machine keeps: no synchronous load is late (and so failed)
     report = vllm_bench.run(quick=True, lengths=[40, 800], requests=1, connectors=["kvbridge"],
-                            out=str(tmp_path), model_kind="swa")
+                            out=str(tmp_path), model_kind="swa",
+                            kvbridge_extra={"sync_load_deadline_s": 10.0})
     assert bench_tables.passed("vllm", report), report["configs"]
     short, long = report["configs"]["kvbridge"]["rows"]
     assert (short["num_failures"], long["num_failures"]) == (0, 0)

@@ -9,12 +9,19 @@
   A failed test's report ends with its servers' warnings and errors (CI keeps
   no log files).
 
-CI time (the whole `make test` must stay well under 40 min on 2 cores): server starts
-are most of this package's time. Modules run in ``MODULE_ORDER`` so that servers are
-reused, servers a module needs start together (``shared_all``: two or three starts at
-once on two cores take little more than one), and the run ends with a line on how many
-servers started and how long the tests waited for them. The models (``PREBUILT``) and
-the ``import vllm`` check run while the tests before this package run.
+CI time (the whole `make test` must stay within 30 min on 2 cores, on any CPU of the
+kind): server starts are most of this package's time. ``make test`` runs this package
+in a pytest process of its own beside the rest of the suite (``scripts/pytest_pair.sh``).
+Modules run in ``MODULE_ORDER`` so that servers are reused, servers a module needs
+start together (``shared_all``: two or three starts at once on two cores take little
+more than one), TP 1 servers run their worker in the engine process
+(``ServerSpec.worker_process``: a start ~30% shorter), and the run ends with a line on
+how many servers started and how long the tests waited for them. The models
+(``PREBUILT``) build and the ``import vllm`` probe runs while the first tests run.
+
+What vLLM decides from the CPU (an fp8 KV cache needs AVX-512 or AMX, a hybrid model's
+block size, TP's shared-memory files) is read from vLLM at run time (``vllm_probe``,
+``vllm_cpu``, ``client.cache_config``), never written into a test.
 
 Every test here needs ``import vllm`` to work (checked once, in a child
 process, so vLLM never loads into the pytest process). If it does not, the

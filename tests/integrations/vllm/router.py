@@ -27,7 +27,9 @@ from tests.ports import free_port
 
 #: Health checks every second, one failure takes a backend out of rotation and one
 #: success brings it back (vllm-router's defaults: every 60 s, 3 failures, 2 successes).
-FAST_HEALTH_CHECKS = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "5",
+#: A killed server fails its check at once (connection refused); a live one on a loaded
+#: machine gets 15 s to answer.
+FAST_HEALTH_CHECKS = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "15",
                       "--health-failure-threshold", "1", "--health-success-threshold", "1")
 
 
