@@ -87,6 +87,11 @@ def machine_info() -> dict[str, Any]:
         cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
                if line.startswith("model name")]
         info["cpu_model"] = cpu[0].split(":", 1)[1].strip() if cpu else "unknown"
+        # what vLLM's CPU build decides from (fp8 KV, kernels, bf16 speed)
+        flags = next((line.split(":", 1)[1].split() for line in
+                      Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+        info["cpu_simd"] = sorted(f for f in flags if f.startswith(("avx", "amx")))
     except (OSError, ValueError):
         pass  # not Linux: leave the fields out
     info["loadavg_start"] = os.getloadavg()

@@ -251,10 +251,14 @@ def _row(name: str, length: int, times: list[dict[str, float]], servers: list[Vl
     return row
 
 
-def core_placement(split: bool, core: int) -> dict[str, Any]:
-    """``VllmServer`` arguments that keep a server on ``core`` (split) or on any (shared)."""
+def core_placement(split: bool, index: int) -> dict[str, Any]:
+    """``VllmServer`` arguments that keep a server on the ``index``-th core this process may
+    run on (split: 0 is P's or colocated's, 1 D's; the ids come from the affinity mask,
+    so a cpuset that starts elsewhere works) or on any (shared)."""
     if not split:
         return {"env": {}, "cpus": None}
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[index % len(allowed)]
     return {"env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}, "cpus": frozenset({core})}
 
 

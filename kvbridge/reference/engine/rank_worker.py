@@ -253,7 +253,7 @@ def worker_main(
     tp = TensorParallel()
     worker: RankWorker | None = None
     try:
-        cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))  # the cores this rank may run on
         torch.set_num_threads(config.num_threads or max(1, cores // config.tp_size))
         tp = init_tp_group(
             rank,

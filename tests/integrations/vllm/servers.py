@@ -99,10 +99,11 @@ class ServerSpec:
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size % 32:
             raise ValueError(f"block_size {self.block_size} is not a multiple of 32")
-        num_cpus = os.cpu_count() or 1
+        num_cpus = len(os.sched_getaffinity(0))
         if not 1 <= self.tensor_parallel_size <= num_cpus:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} outside 1..{num_cpus} (cores)"
+                f"tensor_parallel_size {self.tensor_parallel_size} outside 1..{num_cpus} "
+                f"(the cores this process may run on)"
             )
         if self.kv_transfer_config is not None:
             json.loads(self.kv_transfer_config)  # fail here, not 25 s into a start
@@ -149,8 +150,9 @@ class ServerSpec:
     def environ(self, tmp_dir: Path) -> dict[str, str]:
         """The benchmark's server environment (``BASE_ENV``, TMPDIR), TP binding, ``env``."""
         env = dict(self.env)
-        if self.tensor_parallel_size > 1:
-            env.setdefault(_TP_BIND, "|".join(map(str, range(self.tensor_parallel_size))))
+        if self.tensor_parallel_size > 1:  # one core a rank, of those this process may use
+            cores = sorted(os.sched_getaffinity(0))[: self.tensor_parallel_size]
+            env.setdefault(_TP_BIND, "|".join(map(str, cores)))
         if self.in_process_worker:  # vLLM's CPU build turns "uni" into "mp" without it
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return server_environ(tmp_dir, env)
