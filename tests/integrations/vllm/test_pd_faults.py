@@ -73,9 +73,12 @@ def test_p_killed_after_its_prefill(vllm_servers: ServersForTest, tiny_llama: Pa
         small_p_spec(tiny_llama))
     prompts = [prompt_ids(300, seed=29), prompt_ids(650, seed=30)]  # 3 and 6 blocks
     expected = [complete(p.base_url, prompt, NUM_NEW_TOKENS).token_ids for prompt in prompts]
-    params = [prefill(p.base_url, prompt) for prompt in prompts]
     check_a_stopped_p_stalls_no_forward(p, d_recompute)
-    p.stop()
+    # asked for just before P stops: within their 10 s lease when D reads (a D refuses
+    # params whose lease ended: no read, no failure to count)
+    params = [prefill(p.base_url, prompt) for prompt in prompts]
+    p.kill()  # at once (a graceful stop can take long enough on a loaded machine)
+    p.stop()  # what it left behind
 
     before = counters(d_recompute.base_url)
     for prompt, want, with_params in zip(prompts, expected, params, strict=True):
