@@ -31,8 +31,8 @@ test-hosts:
 	bash scripts/test_hosts.sh
 
 # KVBRIDGE_REQUIRE_VLLM=1: the vLLM tests fail, not skip, if vllm does not import.
-# The suite runs as two pytest processes side by side (scripts/pytest_pair.sh): the vLLM
-# package beside the rest. `make test` leaves out the sweeps marked `full` (each
+# The suite runs as two pytest processes side by side (scripts/pytest_pair.sh): the tests
+# that start vLLM servers beside the rest. `make test` leaves out the sweeps marked `full` (each
 # repeats, over more sizes or shapes, a behaviour one of its tests checks); `make
 # test-full` runs them too. Each half ends with its time by package (tests/conftest.py)
 # and its slowest tests.
@@ -45,7 +45,7 @@ pytest-full: setup setup-vllm test-hosts
 	$(PYTEST)
 
 # Lint (mypy: about a minute on one core) runs beside the suite once everything is
-# installed: pytest's collection and first tests leave the other core mostly idle.
+# installed: a minute more of a busy machine, against a minute of CI's wall time.
 # Either failing fails `make test` (once one fails, one already running runs to its end).
 test: setup setup-vllm
 	$(MAKE) --no-print-directory -j2 lint pytest

@@ -12,8 +12,9 @@ prompt), random-weight models built here (``tiny_hybrid.py``):
   state per request) and 1 full-attention layer, MoE; vLLM makes its block
   size large enough for a state's page, from what the CPU's attention kernels
   take (160 tokens on a host with AVX-512, 96 on one with AVX2 only): the tests
-  read it from the running server (``cache_config``). Both flows, on the same servers: classic (D
-  recomputes the last prompt token: P, asked without ``first_token_flow``,
+  read it from the running server (``cache_config``). Both flows, on the same
+  servers: classic (D recomputes the last prompt token: P, asked without
+  ``first_token_flow``,
   computes the prompt without it and holds the state before it) and
   first-token (``kvbridge proxy``'s flow, here also by hand: P computes the
   whole prompt, D's prompt is the prompt and P's token). D loads the
