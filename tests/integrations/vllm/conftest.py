@@ -225,8 +225,12 @@ def vllm_importable() -> None:
         probe.kill()
         stdout, stderr = probe.communicate()
     if probe.returncode == 0:
-        # vLLM logs to stdout: the probe's JSON is its last line
-        _cpu_facts.update(json.loads(stdout.strip().splitlines()[-1]))
+        # vLLM logs to stdout too: the probe's JSON is its last line that is one
+        found = [line for line in stdout.splitlines() if line.startswith("{")]
+        if not found:
+            pytest.fail(f"vllm_probe printed no facts; its output ends:\n{stdout[-2000:]}",
+                        pytrace=False)
+        _cpu_facts.update(json.loads(found[-1]))
         return
     error = stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
     reason = f"`import vllm` fails in {sys.executable}: {error[0]}"
