@@ -17,7 +17,8 @@
 set -uo pipefail
 PYTHON=$1
 shift
-VLLM_TESTS=(tests/integrations/vllm tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py)
+VLLM_TESTS=(tests/integrations/vllm tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py
+            tests/bench/test_serve_netns.py)
 
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 if [ "$low" -ge 24000 ]; then

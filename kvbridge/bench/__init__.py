@@ -22,6 +22,7 @@ already running. Map::
     serve_bench.py     goodput and latency under load (``vllm bench serve``)
     serve_configs.py   the configurations ``serve`` starts: servers + front end
     serve_client.py    ``vllm bench serve`` run once per sweep point
+    serve_capacity.py  rate points as shares of the host's measured capacity
 
 Scripts that are not ``kvbridge bench`` subcommands (soak runs, the GPU
 checks, single measurements) stay in the checkout's ``benchmarks/``.

@@ -13,6 +13,9 @@ several minutes (``serve``: tens of minutes).
 over TCP (``kvbridge/bench/peers/placement.py``) and writes ``transfer_netns.json``
 / ``.png``, so that it does not overwrite the loopback run's files. It needs
 root and ``ip``; without them it says so and exits with 2 before anything runs.
+``serve --netns`` likewise runs P and D (and colocated's replicas) on two such
+hosts (``kvbridge/bench/serve_netns.py``) and writes ``serve_netns.*``; with
+``--url`` (nothing started, nothing to place) it is refused the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from typing import IO, Any
 from kvbridge.bench import tables as bench_tables
 from kvbridge.bench.peers.placement import NetnsUnavailableError, check_netns
 from kvbridge.bench.plots import PlotUnavailable, save_plot
+from kvbridge.bench.serve_capacity import (
+    CapacityError,
+    LoadFractionError,
+    parse_capacity,
+    parse_load_fractions,
+)
 from kvbridge.bench.vllm_models import MODEL_KINDS
 
 BENCHMARKS = ("paged", "kernels", "transfer", "e2e")  # what ``all`` runs
@@ -137,7 +146,9 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
         return serve_bench.run(args.quick, configs, args.workloads, args.rates,
                                args.concurrency, args.num_prompts, args.repeats,
                                args.slo_ttft_ms, args.slo_tpot_ms, args.model, args.out,
-                               args.cores, args.point_timeout_s, progress, deployment)
+                               args.cores, args.point_timeout_s, progress, deployment,
+                               netns=args.netns, load_fractions=args.load_fractions,
+                               capacities=dict(args.capacity or ()))
     from kvbridge.bench import e2e_bench
 
     return e2e_bench.run(args.quick, args.lengths, args.max_tokens, args.repeats,
@@ -221,6 +232,20 @@ def _workload(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _load_fractions(text: str) -> list[float]:
+    try:
+        return list(parse_load_fractions(text))
+    except LoadFractionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _capacity(text: str) -> tuple[str, float]:
+    try:
+        return parse_capacity(text)
+    except CapacityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -319,9 +344,20 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--workloads", type=_workload, nargs="+", default=None,
                        help="short (256 in / 64 out), long (2048 / 128) or IN/OUT "
                             "(default: short long; --quick: short)")
-    serve.add_argument("--rates", type=_float_list, default=None,
-                       help="Poisson request rates, req/s, for every workload ('' for none; "
-                            "default short 1,2,4,6, long 0.5,1,1.5; --quick 2)")
+    rate_points = serve.add_mutually_exclusive_group()
+    rate_points.add_argument(
+        "--load-fractions", type=_load_fractions, default=None,
+        help="rate points as shares of each workload's capacity, measured on this host "
+             "before the sweep (colocated's request throughput at concurrency 16, long: 8); "
+             "'' for none (default 0.3,0.5,0.7,0.9; each in (0, 2])")
+    rate_points.add_argument(
+        "--rates", type=_float_list, default=None,
+        help="fixed Poisson request rates, req/s, for every workload, instead of load "
+             "fractions: no capacity measured ('' for none; --quick 2)")
+    serve.add_argument("--capacity", type=_capacity, action="append", default=None,
+                       metavar="WORKLOAD=REQ_PER_S",
+                       help="a workload's capacity, not measured (e.g. long=0.9; repeat "
+                            "per workload); its load fractions are placed from it")
     serve.add_argument("--concurrency", type=_int_list_or_none, default=None,
                        help="concurrency points ('' for none; default short 1,4,16, "
                             "long 1,2,8; --quick 4)")
@@ -340,6 +376,11 @@ def _add_serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--cores", choices=["split", "shared"], default=None,
                        help="split (default): colocated replica 0 and P on core 0, replica 1 "
                             "and D on core 1; shared: every server on every core")
+    serve.add_argument("--netns", action="store_true",
+                       help="P (and replica 0) and D (replica 1) on two network-namespace "
+                            "hosts, UCX over TCP (UCX_TLS=tcp); front end and client in this "
+                            "namespace; built and removed by the run; needs root and ip; "
+                            "not with --url; writes serve_netns.*")
     serve.add_argument("--point-timeout-s", type=float, default=None,
                        help="longest one point may run (default 900, --quick 300)")
 
@@ -353,10 +394,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = BENCHMARKS if args.which == "all" else (args.which,)
     try:
         if getattr(args, "netns", False):
+            if getattr(args, "url", None):
+                from kvbridge.bench.serve_netns import WITH_URL
+
+                print(f"kvbridge bench serve --netns: {WITH_URL}", file=sys.stderr)
+                return 2
             check_netns()  # before anything runs; building the hosts may still refuse
         return max(run_benchmark(name, args) for name in names)
     except NetnsUnavailableError as exc:
         print(f"kvbridge bench {args.which} --netns: {exc}", file=sys.stderr)
+        return 2
+    except (LoadFractionError, CapacityError) as exc:  # serve's options, before it runs
+        print(f"kvbridge bench {args.which}: {exc}", file=sys.stderr)
         return 2
 
 

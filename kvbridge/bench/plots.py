@@ -192,9 +192,12 @@ def plot_serve(report: dict[str, Any], fig: Any) -> None:
                           [max(by_rate[r]) - m for r, m in zip(rates, mid, strict=True)]]
                 ax.errorbar(rates, mid, yerr=spread, fmt="-o", capsize=3, label=name,
                             color=_SERVE_COLORS.get(name))
-            if key == "request_goodput":
-                ax.plot([0, max(w["rates"], default=1)], [0, max(w["rates"], default=1)],
-                        ":", color="black", linewidth=0.8, label="offered rate")
+            if key == "request_goodput":  # rates placed from capacity are in the points
+                top = max((p["rate"] for result in report["configs"].values()
+                           for p in result.get("points", [])
+                           if p["workload"] == workload and p["sweep"] == "rate"), default=1)
+                ax.plot([0, top], [0, top], ":", color="black", linewidth=0.8,
+                        label="offered rate")
             else:
                 from matplotlib.ticker import FuncFormatter  # _pyplot() has imported it
 
@@ -218,7 +221,7 @@ def plot_serve(report: dict[str, Any], fig: Any) -> None:
         (f" (failed: {', '.join(failed)})" if failed else "")
     settings = report["settings"]
     where = ("running front ends" if settings.get("deployment")
-             else f"CPU, cores {settings['cores']}")
+             else f"CPU, cores {settings['cores']}, {report.get('network', 'loopback')}")
     fig.suptitle(f"vllm bench serve, {settings['model']}, {where}{notes}", fontsize=10)
 
 

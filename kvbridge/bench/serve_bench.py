@@ -13,6 +13,12 @@ Sweep, per workload (random prompts of ``input_len`` tokens, answers of
     rate points:        Poisson arrivals at r req/s, no cap on requests in flight
     concurrency points: every request sent at once, at most c in flight
 
+Rate points are fractions of the workload's capacity on this host
+(``Workload.load_fractions``; ``serve_capacity.py`` says what capacity is,
+why, and which configuration it is measured on, once per run, before the
+first sweep; colocated runs first when it is among the configurations), or
+fixed rates (``Workload.rates``: ``--rates``, ``--quick``).
+
 Each point's prompts come from its own seed, the same in every
 configuration: the configurations see the same requests, and no point
 repeats another's prompts (P's prefix cache would answer them). Before the
@@ -30,10 +36,16 @@ before the failure and the error.
 With a :class:`Deployment` (``--url``) nothing is started: each front end
 that is already running is a configuration, swept the same way
 (:func:`run_deployment`), and the report says so (``settings["deployment"]``).
+
+With ``netns`` (``--netns``) every configuration's servers run on two network
+namespace hosts built once for the run, and talk UCX over TCP
+(``kvbridge/bench/serve_netns.py``); the report's ``network`` says which
+(``"netns-tcp"`` or ``"loopback"``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -46,7 +58,8 @@ from typing import Any
 
 import httpx
 
-from kvbridge.bench import serve_configs, serve_profile
+from kvbridge.bench import serve_capacity, serve_configs, serve_netns, serve_profile
+from kvbridge.bench.peers.placement import LOOPBACK, Placement, netns_placement
 from kvbridge.bench.serve_client import ClientError, Point, parse_result, run_point
 from kvbridge.bench.vllm_models import BENCH_MODEL, BLOCK_SIZES, MODEL_LABELS, build_model
 from kvbridge.bench.vllm_servers import ServerError, scrape, start_all, total
@@ -58,7 +71,11 @@ _BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 @dataclass(frozen=True)
 class Workload:
-    """Prompt and answer lengths, the sweep, and the goodput SLOs of one workload."""
+    """Prompt and answer lengths, the sweep, and the goodput SLOs of one workload.
+
+    ``rates`` are fixed req/s; ``load_fractions`` rate points at those shares of the
+    capacity, measured at ``capacity_concurrency`` (``serve_capacity.py``).
+    """
 
     input_len: int
     output_len: int
@@ -67,16 +84,22 @@ class Workload:
     num_prompts: int
     slo_ttft_ms: float
     slo_tpot_ms: float
+    load_fractions: tuple[float, ...] = ()
+    capacity_concurrency: int = 16
 
 
 WORKLOADS = {
-    "short": Workload(256, 64, rates=(1.0, 2.0, 4.0, 6.0), concurrency=(1, 4, 16),
-                      num_prompts=40, slo_ttft_ms=1000.0, slo_tpot_ms=100.0),
-    "long": Workload(2048, 128, rates=(0.5, 1.0, 1.5), concurrency=(1, 2, 8),
-                     num_prompts=20, slo_ttft_ms=2500.0, slo_tpot_ms=100.0),
+    "short": Workload(256, 64, rates=(), concurrency=(1, 4, 16), num_prompts=40,
+                      slo_ttft_ms=1000.0, slo_tpot_ms=100.0,
+                      load_fractions=serve_capacity.DEFAULT_LOAD_FRACTIONS,
+                      capacity_concurrency=16),
+    "long": Workload(2048, 128, rates=(), concurrency=(1, 2, 8), num_prompts=20,
+                     slo_ttft_ms=2500.0, slo_tpot_ms=100.0,
+                     load_fractions=serve_capacity.DEFAULT_LOAD_FRACTIONS,
+                     capacity_concurrency=8),
 }
-QUICK: dict[str, Any] = {"workloads": ("short",), "rates": (2.0,), "concurrency": (4,),
-                         "num_prompts": 8, "point_timeout_s": 300.0}
+QUICK: dict[str, Any] = {"workloads": ("short",), "rates": (2.0,), "load_fractions": (),
+                         "concurrency": (4,), "num_prompts": 8, "point_timeout_s": 300.0}
 FULL: dict[str, Any] = {"workloads": ("short", "long"), "point_timeout_s": 900.0}
 
 
@@ -99,18 +122,20 @@ def parse_workload(text: str) -> tuple[str, Workload]:
 
 
 def plan_points(workloads: dict[str, Workload], repeats: int) -> list[tuple[str, str, Point]]:
-    """(workload name, sweep kind, point) in run order; each point gets its own seed."""
+    """(workload name, sweep kind, point) in run order; each point gets its own seed.
+    A load fraction is a rate point without a rate until ``serve_capacity.place_rates``."""
     points: list[tuple[str, str, Point]] = []
     for _ in range(repeats):
         for name, w in workloads.items():
-            sweep: list[tuple[str, float | None, int | None]] = [
-                ("rate", r, None) for r in w.rates]
-            sweep += [("concurrency", None, c) for c in w.concurrency]
-            for kind, rate, concurrency in sweep:
+            sweep: list[tuple[str, float | None, int | None, float | None]] = [
+                ("rate", r, None, None) for r in w.rates]
+            sweep += [("rate", None, None, f) for f in w.load_fractions]
+            sweep += [("concurrency", None, c, None) for c in w.concurrency]
+            for kind, rate, concurrency, fraction in sweep:
                 seed = 1000 + len(points)
                 points.append((name, kind, Point(
                     w.input_len, w.output_len, max(w.num_prompts, 2 * (concurrency or 1)),
-                    rate, concurrency, w.slo_ttft_ms, w.slo_tpot_ms, seed)))
+                    rate, concurrency, w.slo_ttft_ms, w.slo_tpot_ms, seed, fraction)))
     return points
 
 
@@ -168,7 +193,7 @@ def _warm_up(target: Target, first: Point, out: Path, plan: dict[str, Any]) -> d
     """A few requests of the first workload before the sweep, not reported with it: the
     first requests of a server (and P/D's first read, which connects) take longer.
     Its own seed: the sweep's prompts stay new to the servers."""
-    point = replace(first, num_prompts=4, rate=None, concurrency=2, seed=1)
+    point = replace(first, num_prompts=4, rate=None, concurrency=2, seed=1, load_fraction=None)
     raw = run_point(point, target.url, target.model,
                     out / "serve-results" / f"{target.stem}-warmup.json",
                     out / "serve-logs" / f"client-{target.stem}-warmup.log",
@@ -177,15 +202,20 @@ def _warm_up(target: Target, first: Point, out: Path, plan: dict[str, Any]) -> d
 
 
 def _sweep(target: Target, points: list[tuple[str, str, Point]], out: Path,
-           plan: dict[str, Any], tick: Callable[[str], None], result: dict[str, Any]) -> int:
-    """Warm ``target`` up, then run every point against it, appending rows to
+           plan: dict[str, Any], tick: Callable[[str], None], result: dict[str, Any],
+           probe: serve_capacity.CapacityProbe | None = None) -> int:
+    """Warm ``target`` up, measure what ``probe`` still lacks against it and place the
+    load fractions, then run every point against it, appending rows to
     ``result["points"]``; the number of points done (also when one raises)."""
     result["warmup"] = _warm_up(target, points[0][2], out, plan)
     wait_idle(target.server_urls)
+    points = (serve_capacity.place_rates(points, {}) if probe is None else probe.place(
+        points, target.name, functools.partial(_measure_capacity, target, out, plan)))
     for workload, kind, point in points:
         label = (f"{target.stem}-{workload}-{kind}-{point.rate or point.concurrency:g}"
                  f"-s{point.seed}")
         row: dict[str, Any] = {"workload": workload, "sweep": kind, "rate": point.rate,
+                               "load_fraction": point.load_fraction,
                                "concurrency": point.concurrency, "seed": point.seed,
                                "input_len": point.input_len, "output_len": point.output_len,
                                "loadavg": os.getloadavg()[0]}
@@ -209,14 +239,29 @@ def _restart_cpu(window: list[serve_profile.Snapshot], target: Target) -> None:
     window[0] = serve_profile.restart_cpu(window[0], dict(target.groups))
 
 
+def _measure_capacity(target: Target, out: Path, plan: dict[str, Any], workload: str,
+                      point: Point) -> tuple[dict[str, Any], Path]:
+    """Run a capacity measurement (``serve_capacity.CapacityProbe``) against ``target``,
+    then wait for idle servers; its saved JSON and where it is."""
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{target.stem}-{workload}-capacity-"
+                   f"c{point.concurrency}-s{point.seed}")
+    result_path = out / "serve-results" / f"{label}.json"
+    raw = run_point(point, target.url, target.model, result_path,
+                    out / "serve-logs" / f"client-{label}.log", plan["point_timeout_s"],
+                    target.tokenizer)
+    wait_idle(target.server_urls)
+    return raw, result_path
+
+
 def run_deployment(target: Target, points: list[tuple[str, str, Point]], out: Path,
-                   plan: dict[str, Any], tick: Callable[[str], None]) -> dict[str, Any]:
+                   plan: dict[str, Any], tick: Callable[[str], None],
+                   probe: serve_capacity.CapacityProbe | None = None) -> dict[str, Any]:
     """Run every point against a front end that is already running (nothing is started
     or stopped); its report, as :func:`run_config`'s."""
     result: dict[str, Any] = {"url": target.url, "points": [],
                               "loadavg_start": os.getloadavg()}
     try:
-        _sweep(target, points, out, plan, tick, result)
+        _sweep(target, points, out, plan, tick, result, probe)
     except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     for _ in points[len(result["points"]):]:
@@ -226,16 +271,19 @@ def run_deployment(target: Target, points: list[tuple[str, str, Point]], out: Pa
 
 
 def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out: Path,
-               plan: dict[str, Any], tick: Callable[[str], None]) -> dict[str, Any]:
-    """Start configuration ``name``, run every point against its front end, stop it."""
+               plan: dict[str, Any], tick: Callable[[str], None],
+               placement: Placement = LOOPBACK,
+               probe: serve_capacity.CapacityProbe | None = None) -> dict[str, Any]:
+    """Start configuration ``name`` (its servers placed as ``placement``), run every
+    point against its front end (load fractions placed by ``probe``), stop it."""
     missing = serve_configs.missing_tool(name)
     if missing:
         for _ in points:
             tick(f"{name} skipped")
         return {"skipped": missing}
     log_dir = out / "serve-logs"
-    servers = serve_configs.servers(name, model, log_dir, plan["cores"] == "split",
-                                    plan["block_size"])
+    servers = serve_netns.place(serve_configs.servers(
+        name, model, log_dir, plan["cores"] == "split", plan["block_size"]), placement)
     front: serve_configs.FrontEnd | None = None
     result: dict[str, Any] = {"points": [], "loadavg_start": os.getloadavg(),
                               "logs": [str(s.log_path) for s in servers]}
@@ -248,7 +296,7 @@ def run_config(name: str, points: list[tuple[str, str, Point]], model: Path, out
         target = Target(name, front.url, model, server_urls=tuple(s.url for s in servers),
                         server_names=tuple(s.name for s in servers),
                         groups=tuple((n, pid) for n, pid in groups if pid is not None))
-        _sweep(target, points, out, plan, tick, result)
+        _sweep(target, points, out, plan, tick, result, probe)
     except (ServerError, ClientError, httpx.HTTPError, ValueError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -313,7 +361,9 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
         slo_tpot_ms: float | None = None, model: str | None = None, out: str = "bench-out",
         cores: str | None = None, point_timeout_s: float | None = None,
         progress: Progress | None = None,
-        deployment: Deployment | None = None) -> dict[str, Any]:
+        deployment: Deployment | None = None, netns: bool = False,
+        load_fractions: list[float] | None = None,
+        capacities: dict[str, float] | None = None) -> dict[str, Any]:
     """Run every configuration in ``configs`` (or every front end of ``deployment``)
     over the sweep; the report.
 
@@ -321,8 +371,8 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
         quick: The short workload at one rate and one concurrency, 8 prompts each.
         configs: Names from ``serve_configs.CONFIGS``, run in that order (default: all).
         workloads: ``short``, ``long`` or ``IN/OUT`` (default: short and long; quick: short).
-        rates: Poisson rates (req/s) for every workload, overriding each one's own;
-            an empty list: no rate points.
+        rates: Fixed Poisson rates (req/s) for every workload, instead of each one's
+            load fractions (no capacity measured); an empty list: no rate points.
         concurrency: Concurrency points, as ``rates``.
         num_prompts: Requests per point (at least twice the concurrency).
         repeats: Times the whole sweep runs (each with new prompts).
@@ -335,20 +385,39 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
             "shared".
         point_timeout_s: Longest one point may run.
         deployment: Measure these running front ends instead of starting ``configs``.
+        netns: Run every configuration's servers on two network namespace hosts
+            (``serve_netns.py``), built now and removed before this returns.
+        load_fractions: Rate points at these shares of each workload's capacity
+            (``serve_capacity.py``), instead of ``rates`` or quick's fixed rate.
+        capacities: Req/s by workload name: not measured (``--capacity``).
 
     Raises:
         ValueError: an unknown configuration or workload, no point to run, repeats
             < 1, "split" on < 2 cores; with ``deployment``: ``configs`` or ``cores``
-            given, no ``model``, a URL that is not http(s).
+            given, no ``model``, a URL that is not http(s), ``netns``; ``rates`` and
+            ``load_fractions`` both given; ``serve_capacity.LoadFractionError``,
+            ``serve_capacity.CapacityError`` (a capacity for a workload without
+            load fractions).
+        NetnsUnavailableError: ``netns`` and the hosts cannot be built.
     """
+    if rates is not None and load_fractions is not None:
+        raise ValueError("--rates and --load-fractions both place the rate points: "
+                         "give one")
+    if netns and deployment is not None:
+        raise ValueError(serve_netns.WITH_URL)
     configs = _check_choices(configs, model, cores, deployment)
     cores = cores or "split"
     if repeats < 1:
         raise ValueError(f"repeats {repeats}: expected at least 1")
     base = QUICK if quick else FULL
     chosen = dict(parse_workload(w) for w in (workloads or base["workloads"]))
+    rate_points: dict[str, Any] = (
+        {"rates": tuple(rates), "load_fractions": ()} if rates is not None else
+        {"rates": (), "load_fractions": serve_capacity.check_load_fractions(load_fractions)}
+        if load_fractions is not None else
+        {k: base[k] for k in ("rates", "load_fractions") if k in base})
     overrides: dict[str, Any] = {
-        "rates": tuple(rates) if rates is not None else base.get("rates"),
+        **rate_points,
         "concurrency": tuple(concurrency) if concurrency is not None
         else base.get("concurrency"),
         "num_prompts": num_prompts or base.get("num_prompts"),
@@ -361,28 +430,39 @@ def run(quick: bool, configs: list[str] | None = None, workloads: list[str] | No
     plan: dict[str, Any] = {"point_timeout_s": point_timeout_s or base["point_timeout_s"]}
     progress = progress or (lambda _label, _done, _total: None)
     ticks: list[str] = []
+    num_steps = len(points) * len(configs)
 
     def tick(label: str) -> None:
         ticks.append(label)
-        progress(label, len(ticks), len(points) * len(configs))
+        progress(label, len(ticks), num_steps)
+
+    probe = serve_capacity.CapacityProbe(
+        chosen, capacities or {}, lambda line: progress(line, len(ticks), num_steps))
+    if probe.needs_measurement and deployment is None and "colocated" in configs:
+        configs = ["colocated", *(c for c in configs if c != "colocated")]  # the reference
 
     common = {"repeats": repeats, "workloads": {name: asdict(w) for name, w in chosen.items()}}
     if deployment is not None:
         assert model is not None  # _check_choices
         results = {url: run_deployment(Target(url, url, model, deployment.tokenizer,
                                               deployment.server_urls),
-                                       points, Path(out), plan, tick)
+                                       points, Path(out), plan, tick, probe)
                    for url in configs}
-        settings = {**plan, **common, "configs": configs, "model": model,
+        settings = {**plan, **common, "capacity": probe.record(), "configs": configs,
+                    "model": model,
                     "tokenizer": deployment.tokenizer or model,
                     "server_urls": list(deployment.server_urls), "deployment": True}
         return {"settings": settings, "configs": results}
     plan.update(cores=cores, block_size=BLOCK_SIZES["dense"])
-    with tempfile.TemporaryDirectory(prefix="kvb-bench-serve-") as tmp:
+    hosts = netns_placement(join_caller=True) if netns else contextlib.nullcontext(LOOPBACK)
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-serve-") as tmp, hosts as placement:
         model_dir = Path(model) if model else build_model(Path(tmp) / "model", "dense")
-        results = {name: run_config(name, points, model_dir, Path(out), plan, tick)
+        results = {name: run_config(name, points, model_dir, Path(out), plan, tick, placement,
+                                    probe)
                    for name in configs}
-    settings = {**plan, **common, "configs": configs,
+        where = {"network": placement.network,  # hosts (if any) are gone after this block
+                 "placement": {**placement.describe(), "roles": serve_netns.roles(placement)}}
+    settings = {**plan, **common, "capacity": probe.record(), "configs": configs,
                 "model": model or f"{MODEL_LABELS['dense']} (built)",
                 "model_shape": BENCH_MODEL if not model else None}
-    return {"settings": settings, "configs": results}
+    return {**where, "settings": settings, "configs": results}

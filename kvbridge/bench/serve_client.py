@@ -45,6 +45,9 @@ class Point:
         seed: The dataset's seed: one per point, the same for every configuration,
             so configurations get the same prompts and no point repeats another's
             (a repeat would hit the prefix cache).
+        load_fraction: The share of the workload's capacity ``rate`` is
+            (``serve_capacity.py``); None: a fixed rate or a concurrency point. Set
+            with ``rate`` None, the point is not placed yet and must not run.
     """
 
     input_len: int
@@ -55,6 +58,7 @@ class Point:
     slo_ttft_ms: float
     slo_tpot_ms: float
     seed: int
+    load_fraction: float | None = None
 
 
 def client_argv(point: Point, base_url: str, model: str | Path, result_path: Path,
@@ -65,7 +69,14 @@ def client_argv(point: Point, base_url: str, model: str | Path, result_path: Pat
         model: The model name requests carry (a folder the servers were started with).
         tokenizer: What builds the prompts (a folder or a Hugging Face name);
             default ``model``.
+
+    Raises:
+        ValueError: ``point`` is a load fraction not placed at a rate yet (it would
+            otherwise send every request at once).
     """
+    if point.load_fraction is not None and point.rate is None:
+        raise ValueError(f"a rate point at {point.load_fraction:g}x capacity has no rate: "
+                         f"place it first (serve_capacity.place_rates)")
     argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", str(model), "--tokenizer", str(tokenizer or model),
             "--dataset-name", "random", "--random-input-len", str(point.input_len),

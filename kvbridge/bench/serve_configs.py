@@ -17,6 +17,10 @@ nixl-router         P (0) and D (1), vLLM's NixlConnector, stock settings
                     (``kvbridge bench vllm``'s) -> vllm-router as above
 ==================  ==========================================================
 
+With ``--netns`` each pair runs on two network namespace hosts instead
+(``serve_netns.place``: the first server on host a, the second on host b); the
+front end stays in the caller's namespace and reaches them over the veths.
+
 A configuration whose tool is missing is not started: :func:`missing_tool`
 names what is missing and the command that installs it, and the report
 carries that line.

@@ -18,7 +18,14 @@ server it gives
 - ``read_ms``: the connector's mean KV read (one per D worker and request:
   ``vllm:kvbridge_transfer_seconds`` or NixlConnector's
   ``vllm:nixl_xfer_time_seconds``), part of D's queue time (a request waits
-  unscheduled while its KV is read); None where nothing was read.
+  unscheduled while its KV is read); None where nothing was read;
+- kvbridge's read timeline (``TIMELINE``, the means of its histograms): on P
+  ``grant_publish_ms`` (a request's end in the scheduler to its grant issued)
+  and ``grant_wait_ms`` (a read that came before its grant, waiting for it); on
+  D ``read_queue_ms`` (until the agent's thread began the read),
+  ``read_grant_ms`` (until P's grant board or P's answer confirmed the grant),
+  ``read_copy_ms`` (until the last byte) and ``read_collect_ms`` (until the
+  engine took the outcome); None where nothing of it happened.
 
 and for the front end (router or proxy) its CPU. Against a running deployment
 (``--url``, ``--server-url``) only the phases are known. This is the profile behind a
@@ -39,7 +46,14 @@ _PHASES = {"queue_ms": ("vllm:request_queue_time_seconds",),
            "prefill_ms": ("vllm:request_prefill_time_seconds",),
            "decode_ms": ("vllm:request_decode_time_seconds",),
            # a D's KV reads, by whichever connector it runs (None where it read nothing)
-           "read_ms": ("vllm:kvbridge_transfer_seconds", "vllm:nixl_xfer_time_seconds")}
+           "read_ms": ("vllm:kvbridge_transfer_seconds", "vllm:nixl_xfer_time_seconds"),
+           # kvbridge's read timeline (``connector/outputs.PHASES``): P's grants, D's reads
+           **{f"{name}_ms": (f"vllm:kvbridge_{name}_seconds",) for name in (
+               "grant_publish", "grant_wait", "read_queue", "read_grant", "read_copy",
+               "read_collect")}}
+#: The timeline's phases in the order they happen (each a key of ``usage``'s rows).
+TIMELINE = ("grant_publish_ms", "grant_wait_ms", "read_queue_ms", "read_grant_ms",
+            "read_copy_ms", "read_collect_ms")
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -94,7 +108,7 @@ def usage(before: Snapshot, after: Snapshot) -> dict[str, dict[str, Any]]:
             for phase, (sum_s, count) in after.phases[name].items():
                 old_sum, old_count = before.phases[name][phase]
                 done = count - old_count
-                row[phase] = round(1000 * (sum_s - old_sum) / done, 1) if done else None
+                row[phase] = round(1000 * (sum_s - old_sum) / done, 3) if done else None
                 if phase == "queue_ms":  # every request finished has each phase once
                     row["requests"] = int(done)
         result[name] = row

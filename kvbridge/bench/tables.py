@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvbridge.bench import serve_capacity
+from kvbridge.bench.serve_profile import TIMELINE
 from kvbridge.bench.vllm_models import describe
 
 _MIB = 1 << 20
@@ -162,8 +164,18 @@ def vllm_table(report: dict[str, Any]) -> str:
 
 
 def _load(point: dict[str, Any]) -> str:
-    return (f"{point['rate']:g}/s" if point["sweep"] == "rate"
-            else f"c={point['concurrency']}")
+    """``2/s`` (a fixed rate), ``0.7x (1.2/s)`` (a share of capacity) or ``c=4``."""
+    if point["sweep"] != "rate":
+        return f"c={point['concurrency']}"
+    fraction = point.get("load_fraction")  # reports from before capacities: none
+    return f"{point['rate']:g}/s" if fraction is None else f"{fraction:g}x ({point['rate']:g}/s)"
+
+
+def _load_key(label: str) -> tuple[bool, float]:
+    """Sorts :func:`_load` labels: rates (by req/s) before concurrency points."""
+    if label.startswith("c="):
+        return True, float(label[2:])
+    return False, float(label.rpartition("(")[2].rstrip("/s)"))
 
 
 def serve_goodput_rate(points: list[dict[str, Any]], attainment: float = 0.9) -> float | None:
@@ -180,8 +192,7 @@ def serve_goodput_rate(points: list[dict[str, Any]], attainment: float = 0.9) ->
 def _sort_by_point(rows: list[list[Any]], order: list[str]) -> None:
     """Rows that start (workload, load, config): by workload, rates before concurrency,
     load, then configuration in run order."""
-    rows.sort(key=lambda r: (r[0], str(r[1])[:2] == "c=", float(str(r[1]).strip("c=/s")),
-                             order.index(str(r[2]))))
+    rows.sort(key=lambda r: (r[0], _load_key(str(r[1])), order.index(str(r[2]))))
 
 
 def serve_profile_table(report: dict[str, Any]) -> str:
@@ -213,11 +224,52 @@ def serve_profile_table(report: dict[str, Any]) -> str:
                          cells("queue_ms"), cells("prefill_ms"), cells("decode_ms"),
                          cells("read_ms")])
     _sort_by_point(rows, list(report["configs"]))
-    return "\n".join([markdown_table(headers, rows), "", "queue: waiting to be scheduled; "
+    timeline = serve_timeline_table(report)
+    return "\n".join([markdown_table(headers, rows), *timeline, "",
+                      "queue: waiting to be scheduled; "
                       "prefill: scheduled to first token; decode: first to last token "
                       "(vLLM's means per request); KV read: the connector's mean read "
                       "(part of D's queue); CPU: each process group's, from the "
                       "client's timed part to idle servers"])
+
+
+def serve_timeline_table(report: dict[str, Any]) -> list[str]:
+    """kvbridge's read timeline per configuration and point (mean over repeats, ms; lines
+    to print, none when no point has one): ``serve_profile.TIMELINE``, P's phases from P's
+    server and D's from D's."""
+    headers = ["workload", "load", "config", "P: publish", "P: grant wait", "D: queue",
+               "D: grant", "D: copy", "D: collect", "D: read (all)"]
+    keys = (*TIMELINE, "read_ms")
+    rows: list[list[Any]] = []
+    for name, result in report["configs"].items():
+        by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for p in result.get("points", []):
+            if "profile" in p:
+                by_point.setdefault((p["workload"], _load(p)), []).append(p["profile"])
+        for (workload, load), profiles in by_point.items():
+            cells = []
+            for key in keys:
+                values = [row[key] for pr in profiles for row in pr.values()
+                          if row.get(key) is not None]
+                cells.append(f"{sum(values) / len(values):,.2f}" if values else "-")
+            if any(cell != "-" for cell in cells[:-1]):
+                rows.append([workload, load, name, *cells])
+    if not rows:
+        return []
+    _sort_by_point(rows, list(report["configs"]))
+    return ["", "kvbridge's read timeline (means, ms; serve_profile.TIMELINE):",
+            markdown_table(headers, rows)]
+
+
+def _serve_network(report: dict[str, Any]) -> str:
+    """``loopback``, or ``netns-tcp`` and who ran where (``kvbridge/bench/serve_netns.py``)."""
+    network = str(report.get("network", "loopback"))  # reports from before --netns: loopback
+    if network == "loopback":
+        return network
+    placement = report["placement"]
+    roles = ", ".join(f"{who} {ip}" for who, ip in placement["roles"].items())
+    env = " ".join(f"{k}={v}" for k, v in placement["child_env"].items())
+    return f"{network} ({roles}; {env})"
 
 
 def serve_table(report: dict[str, Any]) -> str:
@@ -239,22 +291,30 @@ def serve_table(report: dict[str, Any]) -> str:
                          p["p99_tpot_ms"], p["p50_itl_ms"], p["p99_itl_ms"], p["loadavg"]])
     _sort_by_point(rows, list(configs))
     settings = report["settings"]
-    lines = [markdown_table(headers, rows), "", "times in ms; load: Poisson rate or "
-             "concurrency; ok: completed (vllm bench serve: a first token came), of which "
-             "short: fewer tokens than asked; SLO met: share of completed requests within "
-             "both SLOs"]
+    lines = [markdown_table(headers, rows), "", "times in ms; load: Poisson rate (0.7x: "
+             "that share of the workload's capacity) or concurrency; ok: completed (vllm "
+             "bench serve: a first token came), of which short: fewer tokens than asked; "
+             "SLO met: share of completed requests within both SLOs"]
     for name, w in settings["workloads"].items():
         lines.append(f"- workload {name}: {w['input_len']} in / {w['output_len']} out, "
                      f"{w['num_prompts']} prompts per point, SLO TTFT {w['slo_ttft_ms']:g} ms "
                      f"and TPOT {w['slo_tpot_ms']:g} ms")
+        capacity = settings.get("capacity", {}).get(name)
+        if capacity is not None:
+            lines.append(f"  - capacity: {serve_capacity.describe(capacity)}")
+        elif w.get("load_fractions"):
+            lines.append("  - capacity: not measured (no configuration reached its sweep)")
         for config, result in configs.items():
             points = [p for p in result.get("points", []) if p["workload"] == name]
             if points:
                 rate = serve_goodput_rate(points)
-                lines.append(f"  - {config}: highest rate with >= 90% within SLO: "
-                             f"{'none' if rate is None else f'{rate:g} req/s'}")
+                fraction = next((p.get("load_fraction") for p in points
+                                 if p["sweep"] == "rate" and p["rate"] == rate), None)
+                best = ("none" if rate is None else f"{rate:g} req/s" if fraction is None
+                        else f"{fraction:g}x capacity ({rate:g} req/s)")
+                lines.append(f"  - {config}: highest rate with >= 90% within SLO: {best}")
     where = ("running front ends (--url)" if settings.get("deployment")
-             else f"cores {settings['cores']}")
+             else f"cores {settings['cores']}; network {_serve_network(report)}")
     lines.append(f"\nmodel {settings['model']}; {where}; {settings['repeats']} repeat(s)")
     for name, result in configs.items():
         for p in result.get("points", []):

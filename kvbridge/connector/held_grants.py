@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import time
 from collections.abc import Callable, Sequence
 
 from kvbridge.connector.binding import kv_digest
@@ -147,7 +148,7 @@ class HeldGrants:
         grant = secrets.token_urlsafe(16)
         self._to_send.append(SendRequest(
             request_id=request_id, block_ids=held, grant=grant, lease_s=self.lease_s,
-            kv_digest=digest))
+            kv_digest=digest, finished_at=time.monotonic()))
         self._held[request_id] = len(held)
         self.num_issued += 1
         topo = self.topology

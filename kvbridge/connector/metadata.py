@@ -90,6 +90,9 @@ class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
         lease_s: how long the blocks are held if readers do not report.
         kv_digest: ``binding.kv_digest`` of the prompt tokens the blocks hold
             and ``block_ids``; the grant refuses reads naming anything else.
+        finished_at: ``time.monotonic()`` of the scheduler when the request
+            finished (0: unknown); the worker counts from it to its grant
+            (``TransferStats.phases_s["publish"]``).
     """
 
     request_id: str
@@ -97,6 +100,7 @@ class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
     grant: str
     lease_s: float
     kv_digest: bytes
+    finished_at: float = 0.0
 
 
 class NotifyRequest(msgspec.Struct, frozen=True, kw_only=True):

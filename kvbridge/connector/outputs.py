@@ -45,6 +45,30 @@ class MergeableStats(ABC):
             )
 
 
+#: The timeline of reads and grants (``TransferStats.phases_s``), in the order they happen:
+#: on P, "publish" (the request finished in the scheduler -> its grant issued by the
+#: worker) and "grant_wait" (a read that came before its grant -> the grant there); on D,
+#: "queue" (``start_read`` -> the agent's thread began the read; 0 when made on the
+#: caller's thread), "grant" (-> the grant confirmed: P's grant board said yes, or P's
+#: go, header or first chunk came), "copy" (-> the last byte landed) and "collect" (the
+#: outcome -> the engine took it).
+PHASES: tuple[str, ...] = ("publish", "grant_wait", "queue", "grant", "copy", "collect")
+
+#: Each phase's histogram name (``<prefix>_<name>_seconds``: vLLM's ``vllm:kvbridge_``,
+#: the reference server's ``kvbridge_kv_``) and its help text.
+PHASE_METRICS: dict[str, tuple[str, str]] = {
+    "publish": ("grant_publish", "P: from a request's end in the scheduler to its grant "
+                "issued by the worker"),
+    "grant_wait": ("grant_wait", "P: how long a read that came before its grant waited"),
+    "queue": ("read_queue", "D: from start_read to the read begun on the agent's thread "
+              "(0: made on the caller's thread)"),
+    "grant": ("read_grant", "D: from the read begun to its grant confirmed (P's grant board "
+              "or P's answer)"),
+    "copy": ("read_copy", "D: from the grant confirmed to the last byte landed"),
+    "collect": ("read_collect", "D: from the read's outcome to the engine taking it"),
+}
+
+
 @dataclass(slots=True)
 class TransferStats(MergeableStats):
     """Counters of KV block transfers.
@@ -56,6 +80,8 @@ class TransferStats(MergeableStats):
         num_failures: Transfers that failed.
         num_local_copies: Completed transfers the reader copied out of a server
             process on its own host (``kvbridge.transfer.reading.same_host``).
+        phases_s: Seconds of each ``PHASES`` step, one entry per read or grant
+            (phases absent: none measured).
     """
 
     num_transfers: int = 0
@@ -63,9 +89,14 @@ class TransferStats(MergeableStats):
     durations_s: list[float] = field(default_factory=list)
     num_failures: int = 0
     num_local_copies: int = 0
+    phases_s: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         counts = (self.num_transfers, self.nbytes, self.num_failures, self.num_local_copies)
+        unknown = set(self.phases_s) - set(PHASES)
+        if unknown or any(d < 0 for ds in self.phases_s.values() for d in ds):
+            raise ValueError(f"phases must be among {PHASES} and non-negative: "
+                             f"{ {k: min(v, default=0.0) for k, v in self.phases_s.items()} }")
         if min(counts) < 0 or any(d < 0 for d in self.durations_s):
             raise ValueError(
                 f"stats must be non-negative: num_transfers {self.num_transfers}, "
@@ -89,11 +120,14 @@ class TransferStats(MergeableStats):
             durations_s=self.durations_s + other.durations_s,
             num_failures=self.num_failures + other.num_failures,
             num_local_copies=self.num_local_copies + other.num_local_copies,
+            phases_s={phase: self.phases_s.get(phase, []) + other.phases_s.get(phase, [])
+                      for phase in PHASES if phase in self.phases_s or phase in other.phases_s},
         )
 
     def is_empty(self) -> bool:
         counts = (self.num_transfers, self.nbytes, self.num_failures, self.num_local_copies)
-        return not any(counts) and not self.durations_s
+        return (not any(counts) and not self.durations_s
+                and not any(self.phases_s.values()))
 
 
 @dataclass(slots=True)

@@ -340,3 +340,4 @@ class ConnectorScheduler:
         self._stats.nbytes += stats.nbytes
         self._stats.num_local_copies += stats.num_local_copies
         self._stats.record_durations(stats.durations_s)
+        self._stats.record_phases(stats.phases_s)

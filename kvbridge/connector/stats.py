@@ -22,6 +22,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from kvbridge.connector.outputs import PHASE_METRICS
+
 __all__ = ["DURATION_BUCKETS_S", "ConnectorStats", "histogram_family"]
 
 # Upper bounds of the transfer-time histogram, seconds (Prometheus "le" labels).
@@ -56,6 +58,9 @@ class ConnectorStats:
         num_held_blocks: blocks held for remote readers now (gauge).
         num_held_requests: requests holding them (gauge).
         num_loads_in_flight: loads sent to workers and not finished (gauge).
+        phase_bucket_counts: per timeline phase (``outputs.PHASES``), counts per
+            ``DURATION_BUCKETS_S`` bucket as ``duration_bucket_counts``.
+        phase_sum_s: per timeline phase, the seconds in all.
     """
 
     num_transfers: int = 0
@@ -76,6 +81,17 @@ class ConnectorStats:
     num_held_blocks: int = 0
     num_held_requests: int = 0
     num_loads_in_flight: int = 0
+    phase_bucket_counts: dict[str, list[int]] = field(default_factory=dict)
+    phase_sum_s: dict[str, float] = field(default_factory=dict)
+
+    def record_phases(self, phases_s: dict[str, list[float]]) -> None:
+        """Add the reads' and grants' timeline (``TransferStats.phases_s``)."""
+        for phase, values in phases_s.items():
+            counts = self.phase_bucket_counts.setdefault(
+                phase, [0] * (len(DURATION_BUCKETS_S) + 1))
+            for seconds in values:
+                counts[bisect.bisect_left(DURATION_BUCKETS_S, seconds)] += 1
+            self.phase_sum_s[phase] = self.phase_sum_s.get(phase, 0.0) + sum(values)
 
     def record_durations(self, durations_s: list[float]) -> None:
         """Add transfer durations to the histogram."""
@@ -92,6 +108,8 @@ class ConnectorStats:
         """An independent snapshot."""
         snapshot = ConnectorStats(**{name: getattr(self, name) for name in _FIELDS})
         snapshot.duration_bucket_counts = list(self.duration_bucket_counts)
+        snapshot.phase_bucket_counts = {k: list(v) for k, v in self.phase_bucket_counts.items()}
+        snapshot.phase_sum_s = dict(self.phase_sum_s)
         return snapshot
 
     def metric_families(self, prefix: str = "kvbridge") -> list[Metric]:
@@ -144,6 +162,11 @@ class ConnectorStats:
             histogram_family(f"{prefix}_kv_transfer_seconds", "Duration of KV reads.",
                              DURATION_BUCKETS_S, self.duration_bucket_counts,
                              self.duration_sum_s),
+            *(histogram_family(f"{prefix}_kv_{PHASE_METRICS[phase][0]}_seconds",
+                               PHASE_METRICS[phase][1], DURATION_BUCKETS_S, counts,
+                               self.phase_sum_s[phase])
+              for phase, counts in sorted(self.phase_bucket_counts.items())
+              if phase in PHASE_METRICS),
         ]
 
     def to_prometheus(self, prefix: str = "kvbridge") -> str:
@@ -186,7 +209,8 @@ class _Families:
         return self._families
 
 
-_FIELDS = tuple(name for name in ConnectorStats.__slots__ if name != "duration_bucket_counts")
+_FIELDS = tuple(name for name in ConnectorStats.__slots__
+                if name not in ("duration_bucket_counts", "phase_bucket_counts", "phase_sum_s"))
 
 
 def _le(bound: float) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
 
 import msgspec
@@ -275,6 +276,7 @@ class ConnectorWorker:
         Each grant is bound to its ``kv_digest``: reads naming another prompt
         (or the blocks in another order) are refused by the agent.
         """
+        published: list[float] = []
         for send in meta.reqs_to_send:
             try:
                 if self._host is not None:  # readers read the mirror at once: wait for it
@@ -282,9 +284,13 @@ class ConnectorWorker:
                         copy_blocks(self._device, self._host, send.block_ids)
                 agent.issue_grant(send.request_id, send.block_ids, None, lease_s=send.lease_s,
                                   grant=send.grant, prompt_digest=send.kv_digest)
+                if send.finished_at:  # the scheduler's clock: this host's monotonic one
+                    published.append(max(0.0, time.monotonic() - send.finished_at))
             except KVBridgeError as exc:
                 logger.warning("cannot hold %r for readers: %s", send.request_id, exc)
                 self._sending.add(send.request_id)
+        if published:
+            self._stats = self._stats.aggregate(TransferStats(phases_s={"publish": published}))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Return and forget ``(done_sending, done_recving)`` request ids of this worker.
@@ -312,12 +318,18 @@ class ConnectorWorker:
                 self._failed_recving.add(request_id)
             elif self._host is not None and written:
                 copy_blocks(self._host, self._device, written)
+        now = time.monotonic()
         for read in agent.get_stats():
+            phases = ({"queue": [read.queue_s], "grant": [read.grant_s], "copy": [read.copy_s],
+                       "collect": [max(0.0, now - read.ended_at)]} if read.ok else {})
             self._stats = self._stats.aggregate(TransferStats(
                 num_transfers=int(read.ok), nbytes=read.nbytes,
                 durations_s=[read.duration_s] if read.ok else [], num_failures=int(not read.ok),
-                num_local_copies=int(read.ok and read.num_local_copies > 0),
+                num_local_copies=int(read.ok and read.num_local_copies > 0), phases_s=phases,
             ))
+        waits = agent.take_grant_waits()
+        if waits:
+            self._stats = self._stats.aggregate(TransferStats(phases_s={"grant_wait": waits}))
         return sending, recving
 
     def cancel_reads(self, request_ids: Collection[str], quiesce_s: float = 2.0

@@ -320,6 +320,16 @@ class TransferAgent:
             running.loop.call_soon_threadsafe(running.reads.abort_all)
         self.close(timeout_s=1.0)
 
+    def take_grant_waits(self) -> list[float]:
+        """Return and forget how long each read served here that came before its grant
+        waited for it (seconds; a grant published late: ``serving/context.await_grant``).
+        Any thread."""
+        running = self._running
+        if running is None:
+            return []
+        waits = running.server.grant_waits
+        return [waits.popleft() for _ in range(len(waits))]
+
     def counters(self, timeout_s: float = 5.0) -> AgentCounters:
         """Snapshot the serving tables and totals (taken on the agent's loop).
 

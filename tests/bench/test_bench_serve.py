@@ -90,7 +90,8 @@ def test_a_result_without_goodput_or_percentiles_is_refused_by_name() -> None:
 def test_every_point_gets_its_own_seed_and_enough_prompts_for_its_concurrency() -> None:
     workload = serve_bench.WORKLOADS["short"]
     points = serve_bench.plan_points({"short": workload}, repeats=2)
-    assert len(points) == 2 * (len(workload.rates) + len(workload.concurrency))
+    assert len(points) == 2 * (len(workload.rates) + len(workload.load_fractions)
+                               + len(workload.concurrency))
     assert len({p.seed for _, _, p in points}) == len(points)
     c16 = [p for _, kind, p in points if kind == "concurrency" and p.concurrency == 16]
     assert all(p.num_prompts >= 32 and p.rate is None for p in c16)

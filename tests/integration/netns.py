@@ -16,7 +16,11 @@ One lab (all names carry ``<prefix>-<pid>-<token>-`` so runs never collide)::
 
 Every link is created straight inside lab namespaces (nothing appears in the
 caller's namespace), the switch has no uplink and no namespace has a default
-route, so traffic cannot leave the lab. IPv6 is off inside the lab to keep the
+route, so traffic cannot leave the lab. A caller that must reach the hosts
+itself (``kvbridge bench serve --netns``: its front end, load client and
+metrics scrapes) plugs its own namespace into the switch (``join_caller``):
+one veth whose far end goes with the switch, the subnet's last address, a
+route to the subnet and nothing else. IPv6 is off inside the lab to keep the
 wire quiet. ``link_down`` cuts a host's cable at the switch end: the host keeps
 its address and sockets, packets are silently dropped, as with a pulled cable.
 
@@ -343,6 +347,7 @@ class NetnsLab:
         self._delay_lines: dict[str, tuple[subprocess.Popen[str], list[str]]] = {}
         self._procs: list[subprocess.Popen[str]] = []
         self._created: list[str] = []  # namespaces, in creation order
+        self._caller_link: str | None = None  # join_caller's end in the caller's namespace
         self._old_handlers: dict[int, Any] = {}
         self._closing = self._closed = False
         self._pending_signal: int | None = None
@@ -402,6 +407,49 @@ class NetnsLab:
                   "dev", HOST_IFNAME])
             _run(["ip", "-n", netns, "link", "set", HOST_IFNAME, "up"])
             self._hosts[name] = Host(name, netns, ip, self._procs)
+
+    def join_caller(self) -> str:
+        """Plug the caller's own network namespace into the switch; its address there.
+
+        The caller gets ``<prefix>-<token>`` (its peer ``u-caller`` sits on the switch)
+        with the subnet's last host address, and so a route to the hosts. The link goes
+        when the switch namespace is deleted (``close``; ``cleanup_stale`` after a
+        SIGKILL), as a veth pair goes with either end. The hosts still have no default
+        route: they reach the caller's address, nothing beyond it.
+
+        Raises:
+            NetnsError: the lab is not built, was joined already, has no address left,
+                or the caller already routes part of the subnet (another joined lab, or
+                a real network): its traffic would go one way or the other.
+        """
+        if not self._hosts or self._caller_link is not None:
+            raise NetnsError(f"lab {self.base}: join_caller needs a built lab, once")
+        if self._network.num_addresses - 2 <= len(self._hosts):
+            raise NetnsError(f"subnet {self._network} has no address left for the caller")
+        for route in json.loads(_run(["ip", "-4", "-j", "route", "show"]) or "[]"):
+            dst = route.get("dst", "default")
+            if dst != "default" and ipaddress.ip_network(dst, strict=False).overlaps(
+                    self._network):
+                raise NetnsError(f"this namespace already routes {dst} (dev "
+                                 f"{route.get('dev')}), which overlaps the lab's "
+                                 f"{self._network}: another joined lab still running?")
+        link = f"{self.base.split('-')[0]}-{self.base.rsplit('-', 1)[1]}"
+        ip = str(self._network.broadcast_address - 1)
+        _run(["ip", "link", "add", link, "type", "veth", "peer", "name", "u-caller",
+              "netns", self.switch_netns])
+        self._caller_link = link
+        try:
+            if os.path.isdir("/proc/sys/net/ipv6") and shutil.which("sysctl"):  # quiet wire
+                _run(["sysctl", "-q", "-w", f"net.ipv6.conf.{link}.disable_ipv6=1"])
+            _run(["ip", "-n", self.switch_netns, "link", "set", "u-caller", "master", _BRIDGE,
+                  "up"])
+            _run(["ip", "addr", "add", f"{ip}/{self._network.prefixlen}", "dev", link])
+            _run(["ip", "link", "set", link, "up"])
+        except BaseException:
+            _run(["ip", "link", "del", link], check=False)
+            self._caller_link = None
+            raise
+        return ip
 
     # ------------------------------------------------------------------ faults
     def _host(self, host: Host | str) -> Host:
@@ -527,6 +575,9 @@ class NetnsLab:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)  # its session: children too
+            if self._caller_link is not None:  # would go with the switch; sooner is tidier
+                _run(["ip", "link", "del", self._caller_link], check=False)
+                self._caller_link = None
             for netns in reversed(self._created):
                 try:
                     _destroy_namespace(netns)

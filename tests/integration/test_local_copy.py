@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -109,6 +110,47 @@ def test_raw_reader_copies_what_the_go_says_and_copy_done_unpins(
     assert (stats.num_released_done, live) == (1, 0)
     counters = server.call("counters")
     assert (counters.num_copy_holds, counters.num_reads_served) == (0, 1)
+
+
+def test_a_copy_withdrawn_before_its_grant_is_never_pinned(hosts: tuple[Host, Host]) -> None:
+    """A reader that asked before the grant existed and then copied on the board's word
+    says ``CopyDone(ok=False)`` while the server still waits for the grant: once the
+    grant comes, the server pins nothing for that ask and sends no go (issue #40); the
+    next ask on the connection is served as usual."""
+    server = add(hosts[0], P_SPEC)
+    blocks = [9, 3, 40]
+    token = secrets.token_urlsafe(16)
+
+    async def ask_withdraw_ask() -> tuple[int, wire.Message]:
+        worker, conn = await connect(server.port)
+        try:
+            await reader_handshake_meta(conn)
+            await send(conn, wire.ReadRequest(7, token, blocks, 0, 8, 0, 4, 8, direct=True,
+                                              local_copy=True))
+            await send(conn, wire.CopyDone(7, False))  # before the grant: withdrawn
+            await asyncio.sleep(0.2)  # the server reads both while it waits for the grant
+            assert issue_token(server, "late", blocks, token) == token
+            await asyncio.sleep(0.3)  # a go for 7 would be sent now
+            holds = server.call("counters").num_copy_holds
+            await send(conn, wire.ReadRequest(8, token, blocks, 0, 8, 0, 4, 8, direct=True,
+                                              local_copy=True))
+            reply = await recv(conn)  # the first message since: 8's go, never 7's
+            await send(conn, wire.CopyDone(8, True))
+            return holds, reply
+        finally:
+            await asyncio.sleep(0.2)
+            conn.abort()
+            await worker.close()
+
+    holds, reply = asyncio.run(ask_withdraw_ask())
+    assert holds == 0
+    assert isinstance(reply, wire.CopyGo) and reply.xfer_id == 8, reply
+    wait_counter(server, "num_copy_holds", 0, 5.0)
+    assert server.call("counters").num_serving_reads == 0
+
+
+def issue_token(server: AgentRef, request_id: str, blocks: list[int], token: str) -> str:
+    return server.call("issue", request_id, blocks, 1, None, token)
 
 
 async def reader_handshake_meta(conn: Any) -> wire.AgentMetadata:
@@ -324,6 +366,49 @@ def test_copies_on_the_boards_word_never_keep_a_grant_alive(
     [stats] = outcome["stats"]
     assert "expired_grant" in stats.error, stats
     assert server.call("counters").num_board_copies == 1 + num_copies
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "loop"])
+def test_a_read_before_its_grant_completes_while_the_servers_interpreter_is_held(
+    hosts: tuple[Host, Host], inline: bool,
+) -> None:
+    """Issue #40: a read that came before its grant (it missed the grant board and asked)
+    is done as soon as the grant is on the board, even while the server's process
+    holds its interpreter lock (a C call that keeps it: its agent's thread, which
+    would answer the ask, cannot run). The reader looks at the board again while it
+    waits, copies on its word and withdraws its ask: once the server runs again it
+    pins nothing for it (no hold left) and the grant is released by the done report.
+    ``inline``: the read's size would be copied on the caller's thread (it missed the
+    board there first); else the agent's thread copies it in slices."""
+    server = add(hosts[0], P_SPEC)
+    config = {} if inline else {"inline_copy_max_nbytes": 0, "copy_threads": 1}
+    reader = add(hosts[1], D_SPEC, **config)
+    server.call("caches")  # moved once, before the handshake
+    read_ok(server, reader, "link", [1, 2], [3, 4])  # opens the link: the board's map
+    token = secrets.token_urlsafe(16)
+    blocks, local = [9, 30, 5], [7, 8, 10]
+    read([reader], [server], "early", token, blocks, local, 48)  # no grant yet: asks
+    hold_s = 15
+    ended: list[float] = []
+    holder = threading.Thread(target=lambda: ended.append(
+        server.call("issue_hold_gil", "early", blocks, token, hold_s)))
+    holder.start()
+    try:
+        outcome = wait_read(reader, "early", timeout_s=hold_s + 10)
+        assert holder.is_alive() and not ended, "the read waited for the server's interpreter"
+        assert outcome["failed"] == set(), outcome["stats"]
+        [stats] = outcome["stats"]
+        assert stats.num_local_copies == 1, stats
+        assert stats.grant_s <= stats.duration_s and stats.ended_at > 0, stats
+    finally:
+        holder.join(hold_s + 15)
+    got = logical(reader.call("caches"), reader.spec, local, 48)
+    assert torch.equal(got, logical(server.call("caches"), server.spec, blocks, 48))
+    wait_released(server, "early")  # the done report, read once the server runs again
+    wait_counter(server, "num_copy_holds", 0, 5.0)
+    # (the server may also have answered before it held its lock: then the read copied
+    # after its go, and the go's hold ended with the reader's CopyDone)
+    assert server.call("counters").num_serving_reads == 0
 
 
 def test_a_copy_that_outlives_its_hold_is_dropped(hosts: tuple[Host, Host]) -> None:

@@ -15,6 +15,7 @@ that moves only on the ``advance`` command: leases end when a test says so.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -190,6 +191,13 @@ def _child(conn: Connection) -> None:
             return agent.issue_grant(request_id, block_ids, num_readers, lease_s=lease_s,
                                      grant=token, prompt_digest=digest[0] if digest else None,
                                      ).grant
+        if cmd == "issue_hold_gil":  # (request_id, block_ids, token, seconds): issue the
+            # grant, then hold this process's interpreter lock that long (a C call that keeps
+            # it, as a long operator of a forward pass does): the agent's thread cannot run
+            request_id, block_ids, token, hold_s = args
+            agent.issue_grant(request_id, block_ids, 1, grant=token)
+            ctypes.PyDLL(None).sleep(int(hold_s))
+            return time.monotonic()
         if cmd == "read":
             agent.start_read(**args)
             return None

@@ -15,6 +15,10 @@ each side's command starts and which address it has::
 In the namespaces the bytes cross a veth pair and a bridge, as between two
 hosts; same-host copies cannot apply (``UCX_TLS=tcp`` turns off UCX's shared
 memory and kvbridge's own copies, ``kvbridge/transfer/protocol/host.py``).
+``kvbridge bench serve --netns`` (``kvbridge/bench/serve_netns.py``) places P
+and D the same way and joins this process's own namespace to the hosts' switch
+(``join_caller``, ``Placement.caller_ip``: the subnet's last address), so that
+the front end and the load client it starts reach both servers over the veths.
 
 The namespaces come from ``tests/integration/netns.py`` (``NetnsLab``; standard
 library only, loaded by path) under the prefix ``kvbb``: the test suite's
@@ -75,6 +79,8 @@ class Placement:
         env: Added to every child's environment.
         sent_nbytes: Bytes the serving side has sent on its link so far, where
             it has a link of its own to count on (the namespace hosts' eth0).
+        caller_ip: This process's address on the sides' network, where it joined
+            it (``netns_placement(join_caller=True)``); None: it has none there.
     """
 
     network: str
@@ -82,6 +88,7 @@ class Placement:
     read: Side
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     sent_nbytes: Callable[[], int] | None = None
+    caller_ip: str | None = None
 
     @property
     def same_host(self) -> bool:
@@ -95,6 +102,8 @@ class Placement:
                                      "read_ip": self.read.ip, "child_env": dict(self.env)}
         if self.sent_nbytes is not None:
             described["serve_sent_nbytes"] = self.sent_nbytes()
+        if self.caller_ip is not None:
+            described["caller_ip"] = self.caller_ip
         return described
 
 
@@ -134,8 +143,13 @@ def check_netns() -> None:
 
 
 @contextlib.contextmanager
-def netns_placement(prefix: str = NETNS_PREFIX) -> Iterator[Placement]:
+def netns_placement(prefix: str = NETNS_PREFIX, *,
+                    join_caller: bool = False) -> Iterator[Placement]:
     """Build hosts ``a`` (serving) and ``b`` (reading) on one virtual switch; remove them after.
+
+    With ``join_caller`` this process's namespace is plugged into the switch too
+    (``NetnsLab.join_caller``): what it starts outside the hosts reaches them at
+    their addresses, from ``Placement.caller_ip``.
 
     On leaving, by return, exception, Ctrl-C or SIGTERM (the lab's handler turns
     it into ``SystemExit``), every process still inside the namespaces is killed
@@ -153,10 +167,14 @@ def netns_placement(prefix: str = NETNS_PREFIX) -> Iterator[Placement]:
     except netns.NetnsError as exc:
         raise NetnsUnavailableError(str(exc)) from None
     try:
+        try:
+            caller_ip = lab.join_caller() if join_caller else None
+        except netns.NetnsError as exc:
+            raise NetnsUnavailableError(str(exc)) from None
         serve, read = lab["a"], lab["b"]
         yield Placement("netns-tcp", Side(tuple(serve.command(())), serve.ip),
                         Side(tuple(read.command(())), read.ip),
                         MappingProxyType(netns.ucx_env()),
-                        lambda: int(serve.link_stats().tx_bytes))
+                        lambda: int(serve.link_stats().tx_bytes), caller_ip)
     finally:
         lab.close()

@@ -14,6 +14,10 @@ API server, where :class:`KVBridgePromMetrics` counts it on ``/metrics``::
     vllm:kvbridge_sync_loads_late_total      of those, reads the forward stopped waiting for
                                              (sync_load_deadline_s): recomputed
     vllm:kvbridge_transfer_seconds           histogram of read durations
+    vllm:kvbridge_<phase>_seconds            histograms of the read timeline, one per phase
+                                             (``outputs.PHASES``): P's grant_publish and
+                                             grant_wait; D's read_queue, read_grant,
+                                             read_copy and read_collect
     vllm:kvbridge_params_refused_total       requests whose kv_transfer_params D refused
                                              (forged, tampered, other prompt, expired)
     vllm:kvbridge_held_bytes                 (gauge, P) KV bytes held for D's readers
@@ -36,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvbridge.connector.outputs import TransferStats
+from kvbridge.connector.outputs import PHASE_METRICS, PHASES, TransferStats
 from kvbridge.connector.stats import DURATION_BUCKETS_S
 
 __all__ = ["KVBridgePromMetrics", "KVBridgeStats"]
@@ -55,6 +59,7 @@ class KVBridgeStats(KVConnectorStats):
         """The vLLM form of one worker's ``TransferStats`` (and its synchronous loads)."""
         data: dict[str, Any] = {name: getattr(stats, name) for name in _COUNTS}
         data["durations_s"] = list(stats.durations_s)
+        data["phases_s"] = {phase: list(values) for phase, values in stats.phases_s.items()}
         data["num_sync_loads"] = num_sync_loads
         data["num_late_sync_loads"] = num_late_sync_loads
         return cls(data=data)
@@ -78,6 +83,9 @@ class KVBridgeStats(KVConnectorStats):
         return TransferStats(
             **{name: int(self.data.get(name, 0)) for name in _COUNTS},
             durations_s=[float(d) for d in self.data.get("durations_s", ())],
+            phases_s={phase: [float(d) for d in values]
+                      for phase, values in dict(self.data.get("phases_s") or {}).items()
+                      if phase in PHASES},
         )
 
     def reset(self) -> None:
@@ -170,6 +178,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             per_engine_labelvalues,
         )
 
+        self._phases = {
+            phase: create_metric_per_engine(
+                self._histogram_cls(name=f"vllm:kvbridge_{PHASE_METRICS[phase][0]}_seconds",
+                                    documentation=PHASE_METRICS[phase][1],
+                                    labelnames=labelnames, buckets=list(DURATION_BUCKETS_S)),
+                per_engine_labelvalues,
+            )
+            for phase in PHASES
+        }
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in self._counters.items():
             value = transfer_stats_data.get(key, 0)
@@ -180,3 +198,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 gauge[engine_idx].set(transfer_stats_data[key])
         for seconds in transfer_stats_data.get("durations_s", ()):
             self._seconds[engine_idx].observe(seconds)
+        for phase, values in dict(transfer_stats_data.get("phases_s") or {}).items():
+            if phase in self._phases:
+                for seconds in values:
+                    self._phases[phase][engine_idx].observe(seconds)

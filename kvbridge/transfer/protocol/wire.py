@@ -22,7 +22,9 @@ Same host (``reading/same_host.py``; offered in ``AgentMetadata.host``)::
     R -> S  ReadRequest(..., direct, local_copy)
     S -> R  CopyGo(xfer_id, where the blocks are, hold_s)   or Reject(xfer_id, reason)
     R       copies the blocks out of S's memory itself (process_vm_readv)
-    R -> S  CopyDone(xfer_id, ok)          S unpins (or at hold_s, whichever first)
+    R -> S  CopyDone(xfer_id, ok)          S unpins (or at hold_s, whichever first);
+                                           before the go: S never pins (the reader
+                                           copied on the board's word meanwhile)
 
     or, when S's board of grants (``grant_board.py``, offered in ``HostInfo``) says
     the grant is live and holds the blocks, and an earlier CopyGo of the same shape
@@ -269,7 +271,9 @@ class CopyGo(_Msg, tag="copy_go"):
 
 
 class CopyDone(_Msg, tag="copy_done"):
-    """The reader is done copying (``ok=False``: it gave up); the server unpins."""
+    """The reader is done copying (``ok=False``: it gave up); the server unpins, or,
+    before it pinned, never pins for that read (withdrawn: the reader copied on the
+    grant board's word while the server waited for the grant)."""
 
     xfer_id: XferId
     ok: bool = True

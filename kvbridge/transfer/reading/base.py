@@ -16,6 +16,7 @@ then the read needs no ``finish``.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -63,6 +64,11 @@ class ItemResult:
     direct: bool = False  # block memory to block memory, no staging
     local_copy: bool = False  # copied out of the server's memory by us (same host)
     unasked: bool = False  # ... on the server's grant board's word (``grant_board.py``)
+    # The read's timeline (``time.monotonic``; ``BegunRead.stamped``): begun, the grant
+    # confirmed (the board said yes, the server's go, header or first chunk came), landed.
+    began_at: float = 0.0
+    granted_at: float = 0.0
+    landed_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -99,10 +105,26 @@ class BegunRead(ABC):
     #: Nothing of this read can write into our blocks any more (meaningful once it
     #: ended): False while a chunk given up may still land in them (``direct.py``).
     quiet: bool = True
+    #: When the server's word that the grant holds came (``time.monotonic``; 0: not yet):
+    #: the grant board's yes, the go, the header or the first chunk (each strategy sets it).
+    granted_at: float = 0.0
 
     def __init__(self, link: PeerLink, setup: ReadSetup) -> None:
         self.link = link
         self.setup = setup
+        self.began_at = time.monotonic()
+
+    def grant_seen(self) -> None:
+        """The grant holds (the first word of it counts)."""
+        if not self.granted_at:
+            self.granted_at = time.monotonic()
+
+    def stamped(self, result: ItemResult) -> ItemResult:
+        """``result`` with this read's timeline (landed: now)."""
+        result.landed_at = time.monotonic()
+        result.began_at = self.began_at
+        result.granted_at = self.granted_at or result.landed_at
+        return result
 
     @property
     def item(self) -> RemoteRead:

@@ -124,6 +124,7 @@ class DirectRead(BegunRead):
             if error is not None:
                 outcome.set_exception(error)
             else:
+                self.grant_seen()  # the server sends only once it pinned the grant
                 left[0] -= 1
                 if not left[0]:
                     outcome.set_result(None)

@@ -77,6 +77,15 @@ class ReadStats:
             rest were staged: packed, sent, unpacked).
         num_local_copies: of those, items this reader copied out of a server
             process on its own host (``same_host.py``) instead of through UCX.
+        queue_s, grant_s, copy_s: the read's timeline, ``duration_s`` in three
+            (of a read that succeeded; else 0): from ``start_read`` until the
+            agent's thread began it (0 for a read made on the caller's thread,
+            ``inline.py``), until the grant was confirmed (the server's grant
+            board said yes, or its go, header or first chunk came), until the last
+            byte landed. Several plan items: the first began, the last confirmed,
+            the last landed.
+        ended_at: ``time.monotonic()`` when the outcome was recorded (the engine
+            collects it later: ``ended_at`` to then is its wait).
     """
 
     request_id: str
@@ -88,6 +97,10 @@ class ReadStats:
     error: str = ""
     num_direct: int = 0
     num_local_copies: int = 0
+    queue_s: float = 0.0
+    grant_s: float = 0.0
+    copy_s: float = 0.0
+    ended_at: float = 0.0
 
 
 def checked_ports(request_id: str, port: int | Sequence[int]) -> int | tuple[int, ...]:

@@ -361,6 +361,10 @@ class PeerLink:
                        job.remote_block_ids, job.local_block_ids, job.num_tokens,
                        job.first_token, job.prompt_digest)
 
+    def new_xfer_id(self) -> int:
+        """A read id not used on this link before."""
+        return next(self._xfer_ids)
+
     def begin(self, setup: ReadSetup) -> BegunRead:
         """The part of ``read`` that needs no waiting; pass the result to ``finish``.
 
@@ -380,11 +384,12 @@ class PeerLink:
         (the board still says the same). None: ``finish`` it as usual (which
         also reports what went wrong, if anything did).
         """
-        return begun.finished_now()
+        result = begun.finished_now()
+        return None if result is None else begun.stamped(result)
 
     async def finish(self, begun: BegunRead) -> ItemResult:
         """Wait for a begun read to land (and unpack it); the rest of ``read``."""
-        return await begun.finish()
+        return begun.stamped(await begun.finish())
 
     def abandon(self, begun: BegunRead) -> None:
         """Give up a begun read that will never be finished (its job was cancelled)."""

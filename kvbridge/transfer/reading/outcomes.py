@@ -44,9 +44,10 @@ class Outcomes:
         self._num_waiting = 0  # threads in wait_finished (under _lock): none, no notify
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
-        # ReadStats, or (request id, bytes, seconds, messages) of an inline read, made
-        # into one by ``take_stats``: a frozen ReadStats costs its time off the read's path.
-        self._stats: list[ReadStats | tuple[str, int, float, int]] = []
+        # ReadStats, or (request id, bytes, seconds, messages, ended at) of an inline read,
+        # made into one by ``take_stats``: a frozen ReadStats costs its time off the read's
+        # path.
+        self._stats: list[ReadStats | tuple[str, int, float, int, float]] = []
 
     def take_finished(self) -> set[str]:
         """Request ids whose reads ended (ok or failed) since the last call."""
@@ -90,16 +91,26 @@ class Outcomes:
             return
         if errors:
             logger.warning("read %s from %s failed: %s", job.request_id, job.engine_id, errors[0])
+        now = time.monotonic()
+        queue_s = grant_s = copy_s = 0.0
+        if ok and results and all(r.landed_at for r in results):
+            began = min(r.began_at for r in results)
+            granted = max(r.granted_at for r in results)
+            landed = max(r.landed_at for r in results)
+            queue_s = max(0.0, began - job.submitted_at)
+            grant_s = max(0.0, granted - began)
+            copy_s = max(0.0, landed - granted)
         stats = ReadStats(
             request_id=job.request_id,
             ok=ok,
             nbytes=sum(r.nbytes for r in results),
-            duration_s=time.monotonic() - job.submitted_at,
+            duration_s=now - job.submitted_at,
             num_messages=sum(r.num_messages for r in results) + num_ranks,
             num_remote_ranks=num_ranks,
             error="" if ok else f"{type(errors[0]).__name__}: {errors[0]}",
             num_direct=sum(r.direct for r in results),
             num_local_copies=sum(r.local_copy for r in results),
+            queue_s=queue_s, grant_s=grant_s, copy_s=copy_s, ended_at=now,
         )
         with self._lock:
             self._finished.add(job.request_id)
@@ -120,8 +131,9 @@ class Outcomes:
         stats (a direct copy from one rank, as ``InlineReader`` makes every read it
         returns), kept as a tuple until ``take_stats``, and no loop to stop spinning (this
         thread has the GIL and is the one that looks at the outcome)."""
-        stats = (job.request_id, result.nbytes, time.monotonic() - job.submitted_at,
-                 result.num_messages + 1)
+        now = time.monotonic()
+        stats = (job.request_id, result.nbytes, now - job.submitted_at,
+                 result.num_messages + 1, now)
         with self._lock:
             self._finished.add(job.request_id)
             self._stats.append(stats)
@@ -131,7 +143,9 @@ class Outcomes:
             self._on_outcome()
 
 
-def _inline_stats(request_id: str, nbytes: int, duration_s: float, num_messages: int) -> ReadStats:
-    """The ReadStats of an inline read that succeeded: one rank, direct, copied here."""
+def _inline_stats(request_id: str, nbytes: int, duration_s: float, num_messages: int,
+                  ended_at: float) -> ReadStats:
+    """The ReadStats of an inline read that succeeded: one rank, direct, copied here (on
+    the caller's thread: no queue; the board's yes is one read of it, counted as copy)."""
     return ReadStats(request_id, True, nbytes, duration_s, num_messages, 1,
-                     num_direct=1, num_local_copies=1)
+                     num_direct=1, num_local_copies=1, copy_s=duration_s, ended_at=ended_at)

@@ -80,8 +80,8 @@ async def _renew_while_reading(link: PeerLink, grant: str, begun: BegunRead,
             pinned yet): the next round asks again. Any other failure ends the
             renewals only: a dead link fails the read by itself.
     """
-    xfer_id = begun.request.xfer_id
     while True:
+        xfer_id = begun.request.xfer_id  # a copy that asked again asked under a new one
         try:
             if begun.asked:
                 remaining = await link.renew(grant, cfg.lease_s, xfer_id)

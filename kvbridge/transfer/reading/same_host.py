@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from kvbridge.topology import KVLayout
@@ -77,6 +78,11 @@ __all__ = ["CopyShape", "SameHostCopy", "SameHostPeer", "copy_shape", "local_ran
            "remote_ranges"]
 
 CopyShape = tuple[int, int, int, int]  # layers and heads of a read (``copy_shape``)
+
+# A read that missed the grant board looks again after this long, then twice as long,
+# up to the second figure, until the server answers (``SameHostCopy._board_or_go``).
+_BOARD_POLL_S = 0.0005
+_BOARD_POLL_MAX_S = 0.008
 
 
 @dataclass(slots=True)
@@ -148,13 +154,8 @@ class SameHostCopy(BegunRead):
         result = ItemResult(nbytes, 3, direct=True, local_copy=True)
         guess = peer.go_for(request)
         copy = cls(link, setup, peer, local_iov, span, result)
-        source = copy.source
-        if guess is not None:
-            copy.spot = source.find_grant(request.grant, request.block_ids,
-                                          request.prompt_digest, guess.place)
-            if copy.spot is not None:
-                copy.early = ctx.copier.start(source, local_iov, copy._remote_ranges(guess))
-                return copy
+        if guess is not None and copy._board_says_yes(guess):
+            return copy
         # Not on the board: ask, and copy only after the go. Never copy before someone
         # said yes: a grant for another prompt (or other blocks) must not land a byte.
         link.claim(copy.key, copy.reply)
@@ -164,6 +165,18 @@ class SameHostCopy(BegunRead):
             link.forget(copy.key, copy.reply)
             raise
         return copy
+
+    def _board_says_yes(self, guess: wire.CopyGo) -> bool:
+        """Look at the server's grant board: on its yes, start the copy on its word."""
+        req, copier = self.request, self.link.ctx.copier
+        assert copier is not None
+        spot = self.source.find_grant(req.grant, req.block_ids, req.prompt_digest, guess.place)
+        if spot is None:
+            return False
+        self.grant_seen()
+        self.spot = spot
+        self.early = copier.start(self.source, self.local_iov, self._remote_ranges(guess))
+        return True
 
     @property
     def asked(self) -> bool:
@@ -197,7 +210,10 @@ class SameHostCopy(BegunRead):
         copier = link.ctx.copier
         assert copier is not None
         ok = False
+        left_s: float | None = None  # of the wait for the go
         try:
+            if self.early is None:  # asked: the board may say yes before the server
+                left_s = await self._board_or_go()
             if self.early is not None:  # on the board's word
                 with contextlib.suppress(ProtocolError):  # memory gone: copy after the go
                     early, self.early = self.early, None
@@ -210,7 +226,9 @@ class SameHostCopy(BegunRead):
             if self.spot is not None:
                 zero_rows(self.local_iov)  # not kept: leave none of it behind
                 self._ask()  # the grant changed meanwhile, or the copy failed
-            go = await self._copy_go()
+                left_s = None
+            go = await self._copy_go(left_s)
+            self.grant_seen()
             await copier.copy(self.source, self.local_iov, self._remote_ranges(go))
             took_s = time.monotonic() - self.started
             if took_s >= go.hold_s:  # the server may have handed the blocks back
@@ -242,6 +260,45 @@ class SameHostCopy(BegunRead):
             # the server may unpin at once
             self.link.post_quietly(wire.CopyDone(self.request.xfer_id, False))
 
+    async def _board_or_go(self) -> float | None:
+        """Wait for the server's answer, looking at its grant board meanwhile.
+
+        A read that missed the board is asked for, but the server's answer
+        needs its interpreter, which a forward pass may hold for long; the
+        grant appears on the board the moment it is issued. So the board is
+        looked at again (``_BOARD_POLL_S``, doubling) until the answer comes:
+        on its yes the copy starts on its word and the ask is withdrawn
+        (``CopyDone(ok=False)``: a server that pinned unpins, one still waiting
+        for the grant never pins: ``serving/session.py``). Returns when
+        either came (the answer is read by ``_copy_go``), or at the reply
+        timeout (``_copy_go`` then fails the link), with the seconds left of
+        that timeout (None: not looked, the whole timeout is left).
+        """
+        guess = self.peer.go_for(self.request)
+        if guess is None:  # nowhere to look: the server's go says where the blocks are
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.link.ctx.config.reply_timeout_s
+        pause = _BOARD_POLL_S
+        while (left_s := deadline - loop.time()) > 0:
+            await asyncio.wait((self.reply,), timeout=min(pause, left_s))
+            if self.reply.done() or self._board_says_yes(guess):
+                break
+            pause = min(2 * pause, _BOARD_POLL_MAX_S)
+        if self.spot is not None:
+            self._withdraw()
+        return max(0.0, deadline - loop.time())
+
+    def _withdraw(self) -> None:
+        """Take back the ask of a read now copied on the board's word (its own xfer id:
+        a later ask gets a new one, the server may still hold this one)."""
+        link = self.link
+        if link.forget(self.key, self.reply):
+            link.post_quietly(wire.CopyDone(self.request.xfer_id, False))
+        self.setup.request = msgspec.structs.replace(self.request, xfer_id=link.new_xfer_id())
+        self.key = ("data", self.request.xfer_id)
+        self.reply = asyncio.get_running_loop().create_future()
+
     def _ask(self) -> None:
         """Ask the server after all (the board's word did not hold)."""
         link = self.link
@@ -254,8 +311,9 @@ class SameHostCopy(BegunRead):
             link.forget(self.key, self.reply)
             raise
 
-    async def _copy_go(self) -> wire.CopyGo:
-        """The server's go (its copy-only fields checked).
+    async def _copy_go(self, timeout_s: float | None = None) -> wire.CopyGo:
+        """The server's go (its copy-only fields checked), within ``timeout_s`` (None:
+        ``reply_timeout_s``).
 
         Raises:
             RejectedError: the server refused (nothing is pinned).
@@ -264,7 +322,8 @@ class SameHostCopy(BegunRead):
         """
         link = self.link
         try:
-            async with asyncio.timeout(link.ctx.config.reply_timeout_s):
+            async with asyncio.timeout(
+                    link.ctx.config.reply_timeout_s if timeout_s is None else timeout_s):
                 reply = await self.reply
         except TimeoutError:
             raise link.fail(PeerTimeoutError(

@@ -60,6 +60,7 @@ class StagedRead(BegunRead):
                 link.post_quietly(wire.CopyDone(xfer_id, False))
             raise ProtocolError(f"{type(header).__name__} from {link.peer} answers "
                                 f"staged read {xfer_id}")
+        self.grant_seen()
         if (header.num_chunks, header.total_nbytes) != (num_chunks, packed_fmt.nbytes(num_blocks)):
             error = ProtocolError(
                 f"server plans {header.num_chunks} chunks / {header.total_nbytes} bytes, "

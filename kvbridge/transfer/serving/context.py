@@ -17,6 +17,7 @@ Everything here runs on the agent's event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class ServerContext:
     host: wire.HostInfo | None = None
     num_holds: int = 0  # same-host copies pinned right now, sessions ended or not
     num_board_copies: int = 0  # same-host copies made on the grant board's word
+    # Seconds reads that came before their grant waited for it (``await_grant``), until
+    # the engine takes them (``TransferAgent.take_grant_waits``; appended on the loop).
+    grant_waits: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=4096))
 
 
 @dataclass(eq=False, slots=True)
@@ -98,6 +103,9 @@ class ServedRead:
     def __init__(self, grant: str) -> None:
         self.grant = grant  # the grant the reader named (its string)
         self.deadline: float | None = None
+        # The reader said CopyDone before the grant was pinned for it (it copied on the
+        # grant board's word while this read waited for the grant): never pin it.
+        self.withdrawn = False
         self.credit = 0
         self.changed = asyncio.Event()
 

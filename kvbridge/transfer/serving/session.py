@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.errors import PeerTimeoutError, ProtocolError, TransferError
@@ -122,8 +123,11 @@ async def serve_connection(ctx: ServerContext, conn: UcxConnection) -> None:
                         reads[xfer_id].grant_credit(credited)
                 case wire.CopyDone(xfer_id=xfer_id, ok=ok):
                     hold = session.holds.get(xfer_id)
-                    if hold is not None:  # else: its hold already ended
+                    if hold is not None:
                         hold.end(served=ok)
+                    elif xfer_id in reads:  # not pinned yet: the reader copied on the board
+                        reads[xfer_id].withdrawn = True  # word meanwhile; never pin it
+                    # else: its hold already ended
                 case wire.ReadDone(grant=grant, reader_id=reader_id, ok=ok):
                     if msg.copied_nbytes:  # a copy on the board's word: counted only
                         ctx.num_board_copies += 1
@@ -213,8 +217,16 @@ async def _serve_read(
         await reject(conn, ctx.codec, R.BAD_REQUEST, bad, req.xfer_id)
         return
     grant = req.grant
-    await await_grant(ctx, grant, num_readers)
+    if not ctx.grants.is_known(grant):  # a read before its grant: how long it waits counts
+        started = time.monotonic()
+        await await_grant(ctx, grant, num_readers)
+        ctx.grant_waits.append(time.monotonic() - started)
+    else:
+        await await_grant(ctx, grant, num_readers)
     read = reads[req.xfer_id]
+    if read.withdrawn:  # the reader copied on the grant board's word: nothing to answer
+        reads.pop(req.xfer_id, None)
+        return
     refusal = pin(ctx, grant, req, read)
     if refusal is not None:
         reads.pop(req.xfer_id, None)

@@ -45,6 +45,10 @@ PARAMS_REFUSED = "vllm:kvbridge_params_refused_total"
 LATE_SYNC_LOADS = "vllm:kvbridge_sync_loads_late_total"
 HELD_BYTES = "vllm:kvbridge_held_bytes"
 HELD_REQUESTS = "vllm:kvbridge_held_requests"
+#: The read timeline's histograms (kvbridge.connector.outputs.PHASE_METRICS): P's, D's.
+P_TIMELINE = ("vllm:kvbridge_grant_publish_seconds_count",)
+D_TIMELINE = tuple(f"vllm:kvbridge_read_{phase}_seconds_count"
+                   for phase in ("queue", "grant", "copy", "collect"))
 
 # per block on D: 2 layers x 2 KV heads x 128 slots x (K+V of 32) x 2 bytes
 BLOCK_NBYTES = 2 * 2 * BLOCK_SIZE * 64 * 2

@@ -29,17 +29,20 @@ from tests.integrations.vllm.client import (
     EXTERNAL_PREFIX_CACHE_HITS,
     KV_CACHE_USAGE,
     complete,
+    metrics,
     poll_metrics,
 )
 from tests.integrations.vllm.pd import (
     BLOCK_NBYTES,
     BLOCK_SIZE,
     BYTES,
+    D_TIMELINE,
     FAILURES,
     HELD_BYTES,
     HELD_REQUESTS,
     LATE_SYNC_LOADS,
     NUM_NEW_TOKENS,
+    P_TIMELINE,
     PARAMS_REFUSED,
     SMALL_P_BLOCKS,
     SYNC_BLOCKS,
@@ -221,6 +224,7 @@ def test_requests_shaped_like_vllms_toy_proxy(
     [expected] = reference(vllm_servers, ref_spec, [prompt])
     p, d = pd_pair(vllm_servers, p_spec, d_spec)
     before = counters(d.base_url)
+    p_before, d_before = metrics(p.base_url), metrics(d.base_url)
     # what vllm's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py sends
     to_p = {
         "model": str(p.spec.model),
@@ -252,6 +256,9 @@ def test_requests_shaped_like_vllms_toy_proxy(
     assert reply["choices"][0]["token_ids"] == expected
     after = poll_metrics(d.base_url, lambda m: m.get(TRANSFERS, 0) > before[TRANSFERS])
     assert after[BYTES] - before[BYTES] == 3 * BLOCK_NBYTES
+    # the read's timeline (issue #40): one more entry in each phase, P's and D's
+    poll_metrics(d.base_url, lambda m: all(m.get(n, 0) > d_before.get(n, 0) for n in D_TIMELINE))
+    poll_metrics(p.base_url, lambda m: all(m.get(n, 0) > p_before.get(n, 0) for n in P_TIMELINE))
 
 
 def test_client_leaving_d_gives_every_block_back(
