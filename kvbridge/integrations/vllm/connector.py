@@ -15,6 +15,18 @@ comes back with the params D needs (vLLM's ``NixlConnector`` keys plus
 kvbridge's grant); sent to D with those params, D reads the prompt's KV from
 P instead of computing it. ``kv_connector_extra_config``: ``settings.py``.
 
+vLLM (0.32) calls ``start_load_kv`` after the step's forward unless the
+step has synchronous loads: on a GPU that is after the forward's launch, a
+few milliseconds in; on a CPU it is after the whole forward, which the
+calling thread computes. There, P's grants for the prefills that ended in the
+last step would be issued only after the next one (a whole prefill of another
+prompt: D's read waited for it, issue #40's timeline showed P's "publish" at
+~1.2 s for 2.4 s prefills), and D's reads would start after D's forward. So on
+a CPU, a step that issues grants or starts reads asks vLLM to start them
+before its forward (``SchedulerOutput.has_sync_kv_loads``, as vLLM's own
+HiSparse connector does); issuing a grant and starting a read return at once
+(a same-host read the grant board allows is copied then, on that thread).
+
 It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and
 block ids come per KV cache group (``groups.py``): sliding-window groups move
 only their window, Mamba / linear-attention groups their state.
@@ -34,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbridge.connector.outputs import TransferStats
@@ -109,6 +122,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._per_request_failures = num_groups > 1
         self._scheduler: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
+        # Where a forward is computed by the calling thread (vLLM CPU), a step's grants
+        # and reads start before it, not after it (``build_connector_meta``): see the
+        # module docstring.
+        self._start_before_forward = current_platform.is_cpu()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = VllmSchedulerSide(
                 facts, settings, groups, transfer_ids, num_groups,
@@ -189,8 +206,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler_side().build_connector_meta(
+        meta = self._scheduler_side().build_connector_meta(
             scheduler_output.total_num_scheduled_tokens)
+        work = meta.work
+        if self._start_before_forward and (work.reqs_to_send or work.reqs_to_recv):
+            # vLLM starts a step's loads after its forward unless it has synchronous
+            # ones (vLLM's own HiSparse connector asks so the same way)
+            scheduler_output.has_sync_kv_loads = True
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_side().update_connector_output(connector_output)
