@@ -16,7 +16,10 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from tests.connector.helpers import TOKENS, remote
 
@@ -117,3 +120,25 @@ def test_a_request_aborted_before_its_read_started_is_reported_received() -> Non
     assert meta.work.reqs_to_recv == [] and meta.report_received == {"aborted"}
     read_only(side, finished_recving={"aborted"})
     assert side.build_connector_meta(0).report_received == frozenset()
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "gpu"])
+def test_a_step_with_reads_to_start_starts_them_before_its_forward_on_a_cpu(cpu: bool) -> None:
+    """Issue #40: vLLM starts a step's loads after its forward unless the step has
+    synchronous ones; on a CPU that is after the whole forward (P's grants were issued
+    one prefill late). A step whose metadata starts reads (or issues grants) asks vLLM to
+    start them first (``has_sync_kv_loads``) where forwards are computed by the caller;
+    a step with nothing to start, or a GPU, is left as vLLM made it."""
+    from kvbridge.integrations.vllm.connector import KVBridgeConnector
+
+    side = scheduler_side(tp_size=1)
+    connector = SimpleNamespace(_scheduler_side=lambda: side, _start_before_forward=cpu)
+
+    def build() -> bool:
+        output = SimpleNamespace(total_num_scheduled_tokens=8, has_sync_kv_loads=False)
+        KVBridgeConnector.build_connector_meta(connector, output)  # type: ignore[arg-type]
+        return output.has_sync_kv_loads
+
+    assert admit(side, vllm_request("read", 40), 1)  # an asynchronous load: a read to start
+    assert build() is cpu
+    assert build() is False  # nothing new to start
