@@ -113,6 +113,13 @@ def test_pd_answers_equal_colocated_ones(deployment: Deployment) -> None:
     assert values["kvbridge_kv_transfers_total"] >= 1
     assert values["kvbridge_kv_transfer_bytes_total"] > 0
     assert values["kvbridge_kv_transfer_failures_total"] == 0
+    # the reads' timeline (issue #40): every read counted in each of D's phases, and P
+    # timed each grant from the request's end
+    for phase in ("queue", "grant", "copy", "collect"):
+        count = values[f"kvbridge_kv_read_{phase}_seconds_count"]
+        assert count == values["kvbridge_kv_transfers_total"], phase
+    p_values = metrics(deployment.prefill.url)
+    assert p_values["kvbridge_kv_grant_publish_seconds_count"] >= len(PROMPTS)
 
 
 @pytest.mark.integration
