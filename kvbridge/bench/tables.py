@@ -202,27 +202,22 @@ def serve_profile_table(report: dict[str, Any]) -> str:
     headers = ["workload", "load", "config", "processes", "CPU % of a core",
                "queue ms", "prefill ms", "decode ms", "KV read ms"]
     rows: list[list[Any]] = []
-    for name, result in report["configs"].items():
-        by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for p in result.get("points", []):
-            if "profile" in p:
-                by_point.setdefault((p["workload"], _load(p)), []).append(p["profile"])
-        for (workload, load), profiles in by_point.items():
-            procs = list(profiles[0])
+    for name, workload, load, profiles in _profiles_by_point(report):
+        procs = list(profiles[0])
 
-            def cells(key: str, procs: list[str] = procs,
-                      profiles: list[dict[str, Any]] = profiles) -> str:
-                means = []
-                for proc in procs:
-                    values = [pr[proc][key] for pr in profiles
-                              if pr.get(proc, {}).get(key) is not None]
-                    if key in profiles[0][proc]:
-                        means.append(f"{sum(values) / len(values):,.0f}" if values else "-")
-                return " / ".join(means) or "-"  # e.g. CPU of a --url deployment: not known
+        def cells(key: str, procs: list[str] = procs,
+                  profiles: list[dict[str, Any]] = profiles) -> str:
+            means = []
+            for proc in procs:
+                values = [pr[proc][key] for pr in profiles
+                          if pr.get(proc, {}).get(key) is not None]
+                if key in profiles[0][proc]:
+                    means.append(f"{sum(values) / len(values):,.0f}" if values else "-")
+            return " / ".join(means) or "-"  # e.g. CPU of a --url deployment: not known
 
-            rows.append([workload, load, name, " / ".join(procs), cells("cpu_percent"),
-                         cells("queue_ms"), cells("prefill_ms"), cells("decode_ms"),
-                         cells("read_ms")])
+        rows.append([workload, load, name, " / ".join(procs), cells("cpu_percent"),
+                     cells("queue_ms"), cells("prefill_ms"), cells("decode_ms"),
+                     cells("read_ms")])
     _sort_by_point(rows, list(report["configs"]))
     timeline = serve_timeline_table(report)
     return "\n".join([markdown_table(headers, rows), *timeline, "",
@@ -239,26 +234,34 @@ def serve_timeline_table(report: dict[str, Any]) -> list[str]:
     server and D's from D's."""
     headers = ["workload", "load", "config", "P: publish", "P: grant wait", "D: queue",
                "D: grant", "D: copy", "D: collect", "D: read (all)"]
-    keys = (*TIMELINE, "read_ms")
     rows: list[list[Any]] = []
-    for name, result in report["configs"].items():
-        by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for p in result.get("points", []):
-            if "profile" in p:
-                by_point.setdefault((p["workload"], _load(p)), []).append(p["profile"])
-        for (workload, load), profiles in by_point.items():
-            cells = []
-            for key in keys:
-                values = [row[key] for pr in profiles for row in pr.values()
-                          if row.get(key) is not None]
-                cells.append(f"{sum(values) / len(values):,.2f}" if values else "-")
-            if any(cell != "-" for cell in cells[:-1]):
-                rows.append([workload, load, name, *cells])
+    for name, workload, load, profiles in _profiles_by_point(report):
+        cells = []
+        for key in (*TIMELINE, "read_ms"):
+            values = [row[key] for pr in profiles for row in pr.values()
+                      if row.get(key) is not None]
+            cells.append(f"{sum(values) / len(values):,.2f}" if values else "-")
+        if any(cell != "-" for cell in cells[:-1]):
+            rows.append([workload, load, name, *cells])
     if not rows:
         return []
     _sort_by_point(rows, list(report["configs"]))
     return ["", "kvbridge's read timeline (means, ms; serve_profile.TIMELINE):",
             markdown_table(headers, rows)]
+
+
+def _profiles_by_point(report: dict[str, Any]
+                       ) -> list[tuple[str, str, str, list[dict[str, Any]]]]:
+    """(configuration, workload, load, the profiles of its repeats) per point measured."""
+    points = []
+    for name, result in report["configs"].items():
+        by_point: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for p in result.get("points", []):
+            if "profile" in p:
+                by_point.setdefault((p["workload"], _load(p)), []).append(p["profile"])
+        points += [(name, workload, load, profiles)
+                   for (workload, load), profiles in by_point.items()]
+    return points
 
 
 def _serve_network(report: dict[str, Any]) -> str:

@@ -271,6 +271,33 @@ def test_one_configuration_runs_vllm_bench_serve_end_to_end(tmp_path: Path) -> N
     assert all(profile[name]["cpu_percent"] > 0 for name in profile)
     assert profile["P"]["prefill_ms"] > 0 and profile["D"]["decode_ms"] > 0
     assert profile["D"]["read_ms"] > 0 and profile["P"]["read_ms"] is None  # D reads, P not
+    # kvbridge's read timeline: P's grants and D's reads, each from its own server
+    assert profile["P"]["grant_publish_ms"] is not None and profile["D"]["grant_publish_ms"] is None
+    assert all(profile["D"][key] is not None for key in (
+        "read_queue_ms", "read_grant_ms", "read_copy_ms", "read_collect_ms"))
+    assert "kvbridge's read timeline" in bench_tables.serve_profile_table(record["result"])
+
+
+def test_the_timeline_table_shows_ps_and_ds_phases_and_only_where_measured() -> None:
+    def point(load: float, p: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+        return {"workload": "short", "sweep": "rate", "rate": load,
+                "profile": {"P": p, "D": d}}
+
+    timeline = {"grant_publish_ms": 4.0, "grant_wait_ms": None}
+    reads = {"read_queue_ms": 0.5, "read_grant_ms": 0.0, "read_copy_ms": 1.0,
+             "read_collect_ms": 0.75, "read_ms": 1.5}
+    report = {"configs": {
+        "kvbridge-router": {"points": [point(2.0, timeline, reads),
+                                       point(2.0, {**timeline, "grant_publish_ms": 6.0},
+                                             reads)]},
+        "nixl-router": {"points": [point(2.0, {}, {"read_ms": 9.0})]}}}
+    lines = bench_tables.serve_timeline_table(report)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in "\n".join(lines).splitlines() if "router" in line]
+    assert rows == [["short", "2/s", "kvbridge-router", "5.00", "-", "0.50", "0.00", "1.00",
+                     "0.75", "1.50"]]  # the mean of the repeats; NIXL has no timeline
+    assert bench_tables.serve_timeline_table({"configs": {"nixl-router": report["configs"][
+        "nixl-router"]}}) == []
 
 
 def test_url_refuses_what_would_start_servers_and_needs_a_model() -> None:

@@ -388,7 +388,7 @@ def test_a_read_before_its_grant_completes_while_the_servers_interpreter_is_held
     token = secrets.token_urlsafe(16)
     blocks, local = [9, 30, 5], [7, 8, 10]
     read([reader], [server], "early", token, blocks, local, 48)  # no grant yet: asks
-    hold_s = 15
+    hold_s = 8
     ended: list[float] = []
     holder = threading.Thread(target=lambda: ended.append(
         server.call("issue_hold_gil", "early", blocks, token, hold_s)))

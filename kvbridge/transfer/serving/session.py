@@ -217,12 +217,10 @@ async def _serve_read(
         await reject(conn, ctx.codec, R.BAD_REQUEST, bad, req.xfer_id)
         return
     grant = req.grant
-    if not ctx.grants.is_known(grant):  # a read before its grant: how long it waits counts
-        started = time.monotonic()
-        await await_grant(ctx, grant, num_readers)
+    early, started = not ctx.grants.is_known(grant), time.monotonic()
+    await await_grant(ctx, grant, num_readers)
+    if early:  # a read before its grant: how long it waited counts (the timeline)
         ctx.grant_waits.append(time.monotonic() - started)
-    else:
-        await await_grant(ctx, grant, num_readers)
     read = reads[req.xfer_id]
     if read.withdrawn:  # the reader copied on the grant board's word: nothing to answer
         reads.pop(req.xfer_id, None)
