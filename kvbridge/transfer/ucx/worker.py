@@ -162,12 +162,22 @@ class UcxWorker:
         # CM_REUSEADDR: a restarted agent must get its port back at once, although
         # the connections of the agent it replaces (crashed or not) sit in TIME_WAIT
         # for a minute; without SO_REUSEADDR the listen fails with "Device is busy".
+        # TCP_PUT_ENABLE=n: UCX's tcp transport writes an incoming put wherever its
+        # header says, with no key checked, for any peer connected to the worker, before
+        # any handshake of ours; off, a stranger cannot write this process's memory
+        # (docs/security.md; tests/transfer/test_no_rma.py).
         defaults = {"TLS": SAFE_TLS, "RNDV_SCHEME": "auto" if gpu_memory else "get_zcopy",
-                    "CM_REUSEADDR": "y"}
+                    "CM_REUSEADDR": "y", "TCP_PUT_ENABLE": "n"}
         options = dict(config or {})
         for name, value in defaults.items():  # the caller's, else the environment's, else ours
             if name not in options and f"UCX_{name}" not in os.environ:
                 options[name] = value
+        put_enable = options.get("TCP_PUT_ENABLE", os.environ.get("UCX_TCP_PUT_ENABLE", "n"))
+        if put_enable.strip().lower() not in ("n", "no", "0", "off", "false"):
+            logger.warning("UCX_TCP_PUT_ENABLE=%s: every peer that reaches this agent's port "
+                           "over TCP can write any byte of this process (docs/security.md)",
+                           put_enable)
+        self.options = options  # what the context was made with (besides the environment)
         self._context = ucx_api.UCXContext(
             options,
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP),
