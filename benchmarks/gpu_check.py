@@ -93,7 +93,22 @@ def normalize(name: str) -> str:
 
 
 class GpuCheckError(RuntimeError):
-    """A step could not run as asked (bad arguments, no CUDA where it is needed)."""
+    """A step could not run as asked (bad arguments, no CUDA where it is needed); also
+    the GPU probe's (``gpu_probe.py``) bad arguments."""
+
+
+def pick(text: str, known: Sequence[str], what: str) -> list[str]:
+    """The comma-separated names in ``text``, in its order.
+
+    Raises:
+        GpuCheckError: none, or one that is not in ``known`` (the message names them).
+    """
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise GpuCheckError(f"unknown {what} {unknown or text!r}; choose from "
+                            f"{', '.join(known)}")
+    return names
 
 
 @dataclass
@@ -119,14 +134,23 @@ class Options:
     read_iters: int
 
 
+def script_parser(module: str, doc: str, outputs: str, dry_run: str
+                  ) -> argparse.ArgumentParser:
+    """A GPU script's parser with the arguments they all take: ``--out`` (default
+    ``$OUT``, else ``gpu-check-out`` for ``gpu_check``) for ``outputs``, and
+    ``--cpu-dry-run``."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}",
+                                     description=doc.splitlines()[0])
+    default_out = os.environ.get("OUT", module.replace("_", "-") + "-out")
+    parser.add_argument("--out", default=default_out, help=f"folder for {outputs} (default $OUT)")
+    parser.add_argument("--cpu-dry-run", action="store_true", help=dry_run)
+    return parser
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; ``GpuCheckError`` for an unknown step or a bad number."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "gpu-check-out"),
-                        help="folder for gpu_check.json and gpu_check.log (default $OUT)")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the steps on the CPU path (Triton interpreted)")
+    parser = script_parser("gpu_check", __doc__, "gpu_check.json and gpu_check.log",
+                           "run the steps on the CPU path (Triton interpreted)")
     parser.add_argument("--steps", default=",".join(DEFAULT_STEPS),
                         help=f"comma-separated subset of {','.join(STEPS)}")
     parser.add_argument("--kernel-tests", default=None,
@@ -138,14 +162,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--options", help=argparse.SUPPRESS)  # child: Options as JSON
     parser.add_argument("--result", help=argparse.SUPPRESS)  # child: where its JSON goes
     args = parser.parse_args(argv)
-    steps = [s for s in args.steps.split(",") if s]
-    unknown = [s for s in steps if s not in STEPS]
-    if unknown or not steps:
-        raise GpuCheckError(f"unknown steps {unknown or args.steps!r}; choose from "
-                            f"{', '.join(STEPS)}")
+    args.steps = pick(args.steps, STEPS, "steps")
     if not args.budget_s > 0:
         raise GpuCheckError(f"--budget-s must be > 0, got {args.budget_s}")
-    args.steps = steps
     return args
 
 
@@ -378,60 +397,40 @@ def step_engine_pd(opts: Options) -> StepResult:
 
 def step_cuda_read(opts: Options) -> StepResult:
     """CUDA blocks between two agent processes over UCX, beside the host-staged path."""
-    import torch
-
-    from kvbridge.bench.transfer_agents import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, AgentPair
+    from benchmarks.gpu_reads import NUM_LAYERS, HostStagedRead, block_nbytes, p50_s
+    from kvbridge.bench.transfer_agents import AgentPair
 
     _require_device(opts)
-    num_layers = 8
     pool = max(opts.read_blocks) * 2
-    block_nbytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2 * num_layers  # bf16 K+V
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
-    shape = (2, pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    device_cache = [torch.zeros(shape, dtype=torch.bfloat16, device=opts.device)
-                    for _ in range(num_layers)]
-    pinned = opts.device == "cuda"
-    mirror = [torch.zeros(shape, dtype=torch.bfloat16, pin_memory=pinned)
-              for _ in range(num_layers)]
-    pairs = {}
     try:
-        pairs["device"] = AgentPair(num_layers, pool, 60.0, local_copy=False,
-                                    name="kvbridge-cuda", device=opts.device)
-        pairs["host"] = AgentPair(num_layers, pool, 60.0, local_copy=True,
-                                  name="kvbridge-host")
-        for num_blocks in opts.read_blocks:
-            nbytes = num_blocks * block_nbytes
-            device = pairs["device"].measure(num_blocks, opts.read_iters, nbytes)
-            host = pairs["host"].measure(num_blocks, opts.read_iters, nbytes)
-            ids = list(range(0, 2 * num_blocks, 2))
-            d2h = _best_copy(device_cache, mirror, ids, opts)
-            h2d = _best_copy(mirror, device_cache, ids, opts)
-            device_s, host_s = _p50_s(device), _p50_s(host)
-            staged_s = d2h + host_s + h2d
-            row = {"num_blocks": num_blocks, "nbytes": nbytes,
-                   "device_p50_ms": device_s * 1e3, "device_gbps": nbytes / device_s / 1e9,
-                   "device_verified": device.verified,
-                   "host_read_p50_ms": host_s * 1e3, "host_verified": host.verified,
-                   "d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3,
-                   "staged_ms": staged_s * 1e3, "staged_gbps": nbytes / staged_s / 1e9,
-                   "device_note": device.note,
-                   "rndv_scheme": os.environ.get("UCX_RNDV_SCHEME", "kvbridge's default")}
-            rows.append(row)
-            print(json.dumps(row))
-            if not (device.verified and host.verified):
-                problems.append(f"{num_blocks} blocks: bytes wrong (device {device.note}; "
-                                f"host {host.note})")
+        with contextlib.ExitStack() as stack:
+            device_pair = stack.enter_context(AgentPair(
+                NUM_LAYERS, pool, 60.0, local_copy=False, name="kvbridge-cuda",
+                device=opts.device))
+            staged = stack.enter_context(HostStagedRead(pool, opts.device, 60.0))
+            for num_blocks in opts.read_blocks:
+                nbytes = num_blocks * block_nbytes()
+                device = device_pair.measure(num_blocks, opts.read_iters, nbytes)
+                host = staged.measure(num_blocks, opts.read_iters)
+                row = {"num_blocks": num_blocks, "nbytes": nbytes,
+                       "device_p50_ms": p50_s(device) * 1e3,
+                       "device_gbps": nbytes / p50_s(device) / 1e9,
+                       "device_verified": device.verified, **host, "device_note": device.note,
+                       "rndv_scheme": os.environ.get("UCX_RNDV_SCHEME", "kvbridge's default")}
+                rows.append(row)
+                print(json.dumps(row))
+                if not (device.verified and host["host_verified"]):
+                    problems.append(f"{num_blocks} blocks: bytes wrong (device {device.note}; "
+                                    f"host verified {host['host_verified']})")
     except Exception as exc:  # noqa: BLE001 - the step's outcome, reported whole
         problems.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        for pair in pairs.values():
-            pair.close()
     detail = "; ".join(problems) or ", ".join(
         f"{r['num_blocks']} blocks GPU to GPU {r['device_gbps']:.2f} GB/s vs through the host "
         f"{r['staged_gbps']:.2f}" for r in rows)
     return StepResult("cuda-read", not problems and bool(rows),
-                      numbers={"num_layers": num_layers, "rows": rows}, detail=detail)
+                      numbers={"num_layers": NUM_LAYERS, "rows": rows}, detail=detail)
 
 
 def step_ucx_yardstick(opts: Options) -> StepResult:
@@ -489,27 +488,6 @@ def step_kernel_tune(opts: Options) -> StepResult:
     return StepResult("kernel-tune", True, numbers={"rows": rows},
                       detail=f"best on average: tile {best['tile_words']} words, "
                              f"{best['num_warps']} warps")
-
-
-def _p50_s(result: Any) -> float:
-    """A read's median duration in seconds (``PeerResult``)."""
-    return float(result.latency_p50_us) / 1e6
-
-
-def _best_copy(src: list[Any], dst: list[Any], ids: list[int], opts: Options) -> float:
-    """Best of five ``copy_blocks`` of ``ids`` (all layers) in seconds, synchronised."""
-    import torch
-
-    from kvbridge.kernels import copy_blocks
-
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        copy_blocks(src, dst, ids)
-        if opts.device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _require_device(opts: Options) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.transfer_agents import BLOCK_SIZE, _agent, _num_wrong, _serve_main
+from kvbridge.bench.transfer_agents import BLOCK_SIZE, _ChildAgent, _num_wrong, _serve_main
 
 _POOL_BLOCKS = 64
 _HOST = "127.0.0.1"
@@ -50,7 +50,8 @@ class _Pair:
                                  args=(child, num_layers, _POOL_BLOCKS, True), daemon=True)
         self._proc.start()
         self.port = self._reply()
-        self.agent, self.caches = _agent("bench-d", num_layers, _POOL_BLOCKS)
+        reader = _ChildAgent("bench-d", num_layers, _POOL_BLOCKS, True, "cpu", None)
+        self.agent, self.caches = reader.agent, reader.caches
         self.agent.start()
         rng = np.random.default_rng([7, num_layers, num_blocks])
         self.remote_ids = [int(b) for b in rng.choice(_POOL_BLOCKS, num_blocks, False)]

@@ -5,15 +5,17 @@ processes (``python -m kvbridge.bench.transfer_agents serve|read``), each with o
 ``TransferAgent`` over ``num_layers`` bf16 caches of ``[2, num_pool_blocks, 16,
 8, 128]`` (NHD), where its ``Placement`` says: both on loopback, or the server
 in one network namespace and the reader in another (``kvbridge/bench/peers/
-placement.py``). The parent drives them through a socket pair each (a child
-gets its end as an inherited descriptor, which ``ip netns exec`` passes on), one
-request at a time::
+placement.py``), both started at once (the reader learns the server's address
+with each read), with the ``AgentConfig`` options the pair is given. The parent
+drives them through a socket pair each (a child gets its end as an inherited
+descriptor, which ``ip netns exec`` passes on), one request at a time::
 
-    parent --grant(ids)--> server        issue_grant, reply with the token
-    parent --read(ids, token)--> reader  start_read ... get_finished, reply seconds
-    parent --verify(ids)--> reader       count wrong blocks, reply the count
-    parent --where--> server             its pid and cache addresses (``kvbridge_copy``)
-    parent --copy(ids, where)--> reader  bare process_vm_readv of the blocks, reply seconds
+    parent --grant(ids)--> server             issue_grant, reply with the token
+    parent --read(ids, token, addr)--> reader start_read ... get_finished, reply seconds
+    parent --verify(ids)--> reader            count wrong blocks, reply the count
+    parent --where--> server                  its pid and cache addresses (``kvbridge_copy``)
+    parent --copy(ids, where)--> reader       bare process_vm_readv of the blocks, reply seconds
+    parent --restart(options, env)--> both    a new agent on the same caches, reply as at start
 
 The server's caches hold a pattern: 8-byte word ``w`` of half ``h`` (K or V) of
 block ``b`` in layer ``l`` is ``((l << 48) | (h << 47) | (b << 20) | w) * MIX + 1``
@@ -31,7 +33,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -62,26 +66,48 @@ def pattern(layer: int, block_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint
     return key * _MIX + np.uint64(1)
 
 
-def _agent(engine_id: str, num_layers: int, num_pool_blocks: int,
-           local_copy: bool = True, device: str = "cpu") -> tuple[Any, list[Any]]:
-    import torch
+class _ChildAgent:
+    """A child's caches and the ``TransferAgent`` over them, which ``restart`` replaces
+    (other options, other environment) on the same caches and their content."""
 
-    from kvbridge.topology import EngineTopology, KVLayout
-    from kvbridge.transfer.agent import TransferAgent
-    from kvbridge.transfer.agent_config import AgentConfig
-    from kvbridge.transfer.host_memory import kv_cache_zeros
-    from kvbridge.transfer.protocol.security import CompatInfo
+    def __init__(self, engine_id: str, num_layers: int, num_pool_blocks: int,
+                 local_copy: bool, device: str, options: dict[str, Any] | None) -> None:
+        import torch
 
-    topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)
-    compat = CompatInfo("bench", "bfloat16", NUM_KV_HEADS, HEAD_DIM, num_layers, KVLayout.NHD,
-                        BLOCK_SIZE, False)
-    shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    # as the reference engine allocates its caches (huge pages where the OS has them)
-    caches = [kv_cache_zeros(shape, torch.bfloat16, device) for _ in range(num_layers)]
-    agent = TransferAgent(engine_id, topo, 0, 0, compat,
-                          config=AgentConfig(local_copy=local_copy, listen_host="0.0.0.0"))
-    agent.register_kv_caches(caches)
-    return agent, caches
+        from kvbridge.transfer.host_memory import kv_cache_zeros
+
+        shape = (2, num_pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        # as the reference engine allocates its caches (huge pages where the OS has them)
+        self.caches = [kv_cache_zeros(shape, torch.bfloat16, device) for _ in range(num_layers)]
+        self._engine_id, self._local_copy = engine_id, local_copy
+        self.agent = self._new(options or {})
+        self._first_env = dict(os.environ)  # with what importing ucxx added
+
+    def _new(self, options: dict[str, Any]) -> Any:
+        from kvbridge.topology import EngineTopology, KVLayout
+        from kvbridge.transfer.agent import TransferAgent
+        from kvbridge.transfer.agent_config import AgentConfig
+        from kvbridge.transfer.protocol.security import CompatInfo
+
+        num_layers = len(self.caches)
+        topo = EngineTopology(1, 1, BLOCK_SIZE, NUM_KV_HEADS, False, KVLayout.NHD, num_layers)
+        compat = CompatInfo("bench", "bfloat16", NUM_KV_HEADS, HEAD_DIM, num_layers,
+                            KVLayout.NHD, BLOCK_SIZE, False)
+        config = AgentConfig.from_options(
+            {"local_copy": self._local_copy, "listen_host": "0.0.0.0", **options})
+        agent = TransferAgent(self._engine_id, topo, 0, 0, compat, config=config)
+        agent.register_kv_caches(self.caches)
+        return agent
+
+    def restart(self, options: dict[str, Any], env: dict[str, str]) -> Any:
+        """Close the agent; start one with ``options`` in the environment this process
+        had at its first agent plus ``env`` (UCX reads it when the new agent's context is
+        made). Returns what the new agent's ``start`` returns (a server: its port)."""
+        self.agent.close()
+        os.environ.clear()
+        os.environ.update({**self._first_env, **env})
+        self.agent = self._new(options)
+        return self.agent.start()
 
 
 def _words(cache: Any) -> npt.NDArray[np.uint64]:
@@ -102,35 +128,40 @@ def _fill(cache: Any, layer: int) -> None:
 
 
 def _serve_main(conn: Connection, num_layers: int, num_pool_blocks: int,
-                local_copy: bool, device: str = "cpu") -> None:
-    agent, caches = _agent("bench-p", num_layers, num_pool_blocks, local_copy, device)
-    for layer, cache in enumerate(caches):
+                local_copy: bool, device: str = "cpu",
+                options: dict[str, Any] | None = None) -> None:
+    child = _ChildAgent("bench-p", num_layers, num_pool_blocks, local_copy, device, options)
+    for layer, cache in enumerate(child.caches):
         _fill(cache, layer)
-    conn.send(agent.start())
+    conn.send(child.agent.start())
     try:
         while (msg := conn.recv())[0] != "close":
             match msg:
                 case ("grant", request_id, block_ids):
-                    agent.get_finished()  # releases of earlier grants
-                    conn.send(agent.issue_grant(request_id, block_ids, 1, lease_s=120.0).grant)
+                    child.agent.get_finished()  # releases of earlier grants
+                    conn.send(child.agent.issue_grant(request_id, block_ids, 1,
+                                                      lease_s=120.0).grant)
                 case ("where",):  # for the copy yardstick (``CopyYardstick``)
-                    conn.send((os.getpid(), [cache.data_ptr() for cache in caches]))
+                    conn.send((os.getpid(), [cache.data_ptr() for cache in child.caches]))
+                case ("restart", new_options, env):
+                    conn.send(child.restart(new_options, env))
     finally:
-        agent.close()
+        child.agent.close()
         conn.send("closed")
 
 
-def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: str,
-               port: int, local_copy: bool, device: str = "cpu") -> None:
-    agent, caches = _agent("bench-d", num_layers, num_pool_blocks, local_copy, device)
-    agent.start()
+def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, local_copy: bool,
+               device: str = "cpu", options: dict[str, Any] | None = None) -> None:
+    child = _ChildAgent("bench-d", num_layers, num_pool_blocks, local_copy, device, options)
+    caches = child.caches
+    child.agent.start()
     copies = CopyYardstick(caches) if device == "cpu" else None
     conn.send("ready")
     try:
         while (msg := conn.recv())[0] != "close":
             match msg:
-                case ("read", request_id, remote_ids, local_ids, token):
-                    conn.send(_timed_read(agent, host, port, request_id, remote_ids,
+                case ("read", request_id, remote_ids, local_ids, token, host, port):
+                    conn.send(_timed_read(child.agent, host, port, request_id, remote_ids,
                                           local_ids, token))
                 case ("copy", remote_ids, local_ids, pid, bases):
                     conn.send("the copy yardstick reads host caches only" if copies is None
@@ -141,8 +172,11 @@ def _read_main(conn: Connection, num_layers: int, num_pool_blocks: int, host: st
                     conn.send(0)
                 case ("verify", remote_ids, local_ids):
                     conn.send(_num_wrong(caches, np.array(remote_ids), np.array(local_ids)))
+                case ("restart", new_options, env):
+                    child.restart(new_options, env)
+                    conn.send("ready")
     finally:
-        agent.close()
+        child.agent.close()
         conn.send("closed")
 
 
@@ -246,6 +280,8 @@ class AgentPair:
         placement: Where the server and the reader run, and their extra environment.
         device: where both agents' caches live: ``cpu``, or ``cuda`` (reads then go
             through UCX's CUDA transports; no same-host copies, no copy yardstick).
+        agent_options: ``AgentConfig`` fields both agents get on top of the
+            benchmark's own (``AgentConfig.from_options``; JSON values).
 
     Raises:
         AgentPairError: a child did not start within ``timeout_s``.
@@ -253,7 +289,8 @@ class AgentPair:
 
     def __init__(self, num_layers: int, num_pool_blocks: int, timeout_s: float,
                  local_copy: bool = True, name: str = "kvbridge",
-                 placement: Placement = LOOPBACK, device: str = "cpu") -> None:
+                 placement: Placement = LOOPBACK, device: str = "cpu",
+                 agent_options: Mapping[str, Any] = MappingProxyType({})) -> None:
         self.num_layers, self.num_pool_blocks, self.timeout_s = (
             num_layers, num_pool_blocks, timeout_s)
         self.name = name
@@ -265,13 +302,14 @@ class AgentPair:
         self._conns: list[Connection] = []  # reader last, so close() stops it first
         self._num_requests = 0
         same_host = placement.same_host
-        try:
+        options = dict(agent_options)
+        self._host = placement.serve.ip
+        try:  # both at once: each spends seconds importing torch and starting UCX
             self._server = self._spawn(placement.serve, "serve", num_layers, num_pool_blocks,
-                                       same_host, device)
-            port = self._recv(self._server)
+                                       same_host, device, options)
             self._reader = self._spawn(placement.read, "read", num_layers, num_pool_blocks,
-                                       placement.serve.ip, port, local_copy and same_host,
-                                       device)
+                                       local_copy and same_host, device, options)
+            self._port: int = self._recv(self._server)
             self._recv(self._reader)
         except BaseException:
             self.close()
@@ -306,6 +344,20 @@ class AgentPair:
         conn.send(msg)
         return self._recv(conn)
 
+    def restart(self, agent_options: Mapping[str, Any],
+                env: Mapping[str, str] = MappingProxyType({})) -> None:
+        """New agents in both processes, on the same caches and content: with
+        ``agent_options`` (instead of the pair's) and ``env`` over the environment each
+        child had when its first agent started (what ``import ucxx`` added included).
+
+        Raises:
+            AgentPairError: a child did not answer within ``timeout_s``.
+        """
+        for conn in self._conns:
+            conn.send(("restart", dict(agent_options), dict(env)))
+        self._port = self._recv(self._server)
+        self._recv(self._reader)
+
     def read_once(self, remote_ids: list[int], local_ids: list[int]) -> tuple[float, int]:
         """One granted read; its duration in seconds and the messages it took.
 
@@ -315,14 +367,19 @@ class AgentPair:
         self._num_requests += 1
         request_id = f"bench-{self._num_requests}"
         token = self._call(self._server, "grant", request_id, remote_ids)
-        outcome = self._call(self._reader, "read", request_id, remote_ids, local_ids, token)
+        outcome = self._call(self._reader, "read", request_id, remote_ids, local_ids, token,
+                             self._host, self._port)
         if isinstance(outcome, str):
             raise AgentPairError(outcome)
         seconds, num_messages = outcome
         return float(seconds), int(num_messages)
 
-    def measure(self, num_blocks: int, num_iters: int, nbytes: int) -> PeerResult:
+    def measure(self, num_blocks: int, num_iters: int, nbytes: int,
+                before_timed: Callable[[], object] | None = None) -> PeerResult:
         """Warm up, time ``num_iters`` reads of ``num_blocks`` scattered blocks, verify.
+
+        Args:
+            before_timed: called once warm-up is over, before the first timed read.
 
         Returns:
             The statistics, named ``self.name``; ``num_blocks`` counts 64 KiB pieces
@@ -335,6 +392,8 @@ class AgentPair:
         for _ in range(_NUM_WARMUP):
             self.read_once(remote_ids, local_ids)
         self._call(self._reader, "zero")
+        if before_timed is not None:
+            before_timed()
         timed = [self.read_once(remote_ids, local_ids) for _ in range(num_iters)]
         num_wrong = self._call(self._reader, "verify", remote_ids, local_ids)
         durations_s = [seconds for seconds, _ in timed]
@@ -388,6 +447,16 @@ class AgentPair:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for conn in self._conns:
+            conn.close()
+
+    def kill(self) -> None:
+        """Kill both children now, without asking (a pair that stopped answering).
+        ``close`` after it does nothing more."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
         for conn in self._conns:
             conn.close()
 

@@ -89,23 +89,29 @@ def check_fused(
         )
 
 
-def as_block_ids(ids: BlockIds, num_blocks: int, device: torch.device, what: str) -> torch.Tensor:
-    """Return ``ids`` as a 1-D int64 tensor on ``device``, range-checked."""
+def as_block_ids(ids: BlockIds, num_blocks: int, what: str) -> torch.Tensor:
+    """Return ``ids`` as a 1-D int64 tensor on the host, range-checked there.
+
+    The check reads no device memory, so a launch given host ids (a list, or a
+    CPU tensor: what the transfer agent passes) waits for nothing; ids given as
+    a CUDA tensor are read back first, which waits for the work queued before.
+    The launch copies them to its device once, with :func:`to_device`.
+    """
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
             raise KernelInputError(
                 f"{what} must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}"
             )
-        tensor = ids.to(device=device, dtype=torch.int64)
+        tensor = ids.to(device="cpu", dtype=torch.int64)
     else:
         try:
-            tensor = torch.tensor(list(ids), dtype=torch.int64, device=device)
+            tensor = torch.tensor(list(ids), dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise KernelInputError(f"{what} must be a sequence of ints: {exc}") from None
         if tensor.dim() != 1:
             raise KernelInputError(f"{what} must be a flat sequence of ints, got {ids!r}")
     if tensor.numel():
-        low, high = (int(v) for v in torch.aminmax(tensor))
+        low, high = (int(v) for v in torch.aminmax(tensor))  # host memory: no device sync
         if low < 0 or high >= num_blocks:
             raise KernelInputError(
                 f"{what} span [{low}, {high}], outside the cache's {num_blocks} blocks"
@@ -113,8 +119,21 @@ def as_block_ids(ids: BlockIds, num_blocks: int, device: torch.device, what: str
     return tensor
 
 
+def to_device(host_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Checked host ids on ``device``: the launch's one host-to-device copy.
+
+    To a CUDA device the copy goes from pinned memory and is queued on the
+    current stream without waiting (a copy from pageable memory waits for the
+    stream); the kernels queued after it on that stream read the ids once they
+    landed. Anything else: the ids as they are (or a plain copy).
+    """
+    if device.type != "cuda":
+        return host_ids.to(device)
+    return host_ids.pin_memory().to(device, non_blocking=True)
+
+
 def check_unique(ids: torch.Tensor, what: str) -> None:
-    """Raise if a destination id repeats (parallel writes would race)."""
+    """Raise if a destination id repeats (parallel writes would race); host ids."""
     if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
         raise KernelInputError(f"{what} repeat a destination block: {ids.tolist()}")
 

@@ -1,7 +1,11 @@
 """Public entry points of the kernels: validate inputs, then run Triton or torch.
 
 Called by the transfer agent. Every check happens before the first write, so a
-:class:`KernelInputError` leaves caches and buffers untouched. CUDA tensors go to
+:class:`KernelInputError` leaves caches and buffers untouched. On CUDA nothing
+here waits for the device: block ids are checked on the host and copied over
+once, without waiting (``checks.to_device``), and the layers' offset tables stay
+on the device (``triton_kernels._layer_offsets``); the caller waits for the work
+(``on_device``, or a CUDA event of its own). CUDA tensors go to
 :mod:`kvbridge.kernels.triton_kernels`, CPU tensors to
 :mod:`kvbridge.kernels.torch_cpu`; ``impl`` overrides the choice (tests force
 ``"triton"`` on CPU tensors under ``TRITON_INTERPRET=1``).
@@ -75,7 +79,7 @@ def pack(
     """
     caches = split_layers(layer_caches, layout, "caches")
     checks.check_heads(caches, head_start, head_end)
-    ids = checks.as_block_ids(block_ids, caches.num_blocks, caches.device, "block_ids")
+    ids = checks.as_block_ids(block_ids, caches.num_blocks, "block_ids")
     fmt = _format_of(caches, head_end - head_start)
     nbytes = fmt.nbytes(ids.numel())
     out_bytes = checks.staging_bytes(out, nbytes, caches.device, "out")
@@ -87,7 +91,8 @@ def pack(
     if use_triton:
         from kvbridge.kernels import triton_kernels
 
-        triton_kernels.pack(words, ids, head_start, head_end, out_words)
+        device_ids = checks.to_device(ids, caches.device)
+        triton_kernels.pack(words, device_ids, head_start, head_end, out_words)
     else:
         torch_cpu.pack(words, ids, head_start, head_end, out_words)
     return out_bytes
@@ -167,7 +172,7 @@ def unpack(
     if token_offset < 0:
         raise KernelInputError(f"token_offset must be >= 0, got {token_offset}")
     checks.check_fused(fmt, caches, num_tokens, token_offset, src_token_offset)
-    ids = checks.as_block_ids(local_block_ids, caches.num_blocks, caches.device, "local_block_ids")
+    ids = checks.as_block_ids(local_block_ids, caches.num_blocks, "local_block_ids")
     first_block = token_offset // caches.block_size
     end_block = -(-(token_offset + num_tokens) // caches.block_size)
     if num_tokens and ids.numel() < end_block:
@@ -183,16 +188,19 @@ def unpack(
         return
     buf_elems = checks.as_elements(buf_bytes, caches.elem_nbytes, "buf")
     words, (buf_words,) = widen(caches, [buf_elems])
-    args = (
-        buf_words, fmt, num_remote_blocks, words, ids, head_offset, num_tokens, token_offset,
-        src_token_offset,
-    )
     if use_triton:
         from kvbridge.kernels import triton_kernels
 
-        triton_kernels.unpack(*args)
+        device_ids = checks.to_device(ids, caches.device)
+        triton_kernels.unpack(
+            buf_words, fmt, num_remote_blocks, words, device_ids, head_offset, num_tokens,
+            token_offset, src_token_offset,
+        )
     else:
-        torch_cpu.unpack(*args)
+        torch_cpu.unpack(
+            buf_words, fmt, num_remote_blocks, words, ids, head_offset, num_tokens,
+            token_offset, src_token_offset,
+        )
 
 
 def copy_blocks(
@@ -226,12 +234,9 @@ def copy_blocks(
         )
     if src.dtype != dst.dtype:
         raise KernelInputError(f"src dtype {src.dtype} and dst dtype {dst.dtype} differ")
-    src_ids = checks.as_block_ids(block_ids, src.num_blocks, src.device, "block_ids")
+    src_ids = checks.as_block_ids(block_ids, src.num_blocks, "block_ids")
     dst_ids = checks.as_block_ids(
-        block_ids if dst_block_ids is None else dst_block_ids,
-        dst.num_blocks,
-        dst.device,
-        "dst_block_ids",
+        block_ids if dst_block_ids is None else dst_block_ids, dst.num_blocks, "dst_block_ids"
     )
     if src_ids.numel() != dst_ids.numel():
         raise KernelInputError(
@@ -250,7 +255,9 @@ def copy_blocks(
     if use_triton:
         from kvbridge.kernels import triton_kernels
 
-        triton_kernels.copy_blocks(src, dst, src_ids.to(device), dst_ids.to(device))
+        triton_kernels.copy_blocks(
+            src, dst, checks.to_device(src_ids, device), checks.to_device(dst_ids, device)
+        )
     else:
         torch_cpu.copy_blocks(src, dst, src_ids, dst_ids)
 

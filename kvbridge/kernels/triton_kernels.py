@@ -9,11 +9,13 @@ rows of one (block, layer, kv)::
 
 All layers go in one launch: layer ``l`` lives at word offset ``layer_offsets[l]``
 from layer 0's pointer (per-layer tensors are separate allocations in one address
-space). Layers whose strides differ are launched one by one.
+space; the table is made once per cache set and stays on the device). Layers
+whose strides differ are launched one by one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -248,9 +250,23 @@ def _layer_offsets(
     """Word offset of each layer's first element from layer 0's.
 
     On ``device`` (default: the layers'): the device the kernel runs on, which for
-    a copy to or from a pinned host mirror is not the mirror's.
+    a copy to or from a pinned host mirror is not the mirror's. Kept there for the
+    next launch on the same caches (``_offset_table``): no copy, no wait per call.
     """
-    base = layers[0].data_ptr()
-    word = layers[0].element_size()
-    offsets = [(t.data_ptr() - base) // word for t in layers]
-    return torch.tensor(offsets, dtype=torch.int64, device=device or layers[0].device)
+    ptrs = tuple(t.data_ptr() for t in layers)
+    return _offset_table(ptrs, layers[0].element_size(), device or layers[0].device)
+
+
+@functools.lru_cache(maxsize=256)
+def _offset_table(ptrs: tuple[int, ...], word_nbytes: int, device: torch.device) -> torch.Tensor:
+    """``(ptr - ptrs[0]) // word_nbytes`` for each layer pointer, as an int64 tensor on ``device``.
+
+    A pure function of its arguments, memoised: keyed by the layers' data
+    pointers, an entry never goes stale (caches that move, or new ones, have
+    other pointers and so another entry). Made once per cache set and device;
+    that first copy to a CUDA device waits for it, later launches read the
+    table where it is. The kernels only read it.
+    """
+    base = ptrs[0]
+    offsets = [(ptr - base) // word_nbytes for ptr in ptrs]
+    return torch.tensor(offsets, dtype=torch.int64, device=device)

@@ -57,6 +57,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.topology import EngineTopology
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.staging import BufferPool
+from kvbridge.transfer.chunk_trace import ChunkTrace
 from kvbridge.transfer.clock import Clock, MonotonicClock
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.local_kv import LocalKV, topology_info
@@ -121,6 +122,9 @@ class AgentCounters:
 class TransferAgent:
     """Serves this worker's KV blocks and pulls remote blocks into them.
 
+    When ``KVBRIDGE_TRACE_CHUNKS`` names a directory as the agent is constructed,
+    every staged chunk it serves or reads is traced there (``chunk_trace.py``).
+
     Args:
         engine_id: this engine's id (same on all its workers).
         topology: this engine's topology.
@@ -177,6 +181,7 @@ class TransferAgent:
             compat,
         )
         self._requested_port = port
+        self._trace = ChunkTrace.from_env()  # KVBRIDGE_TRACE_CHUNKS: staged chunks' timeline
         self._local: LocalKV | None = None
         self._running: _Running | None = None
         self._thread: threading.Thread | None = None
@@ -245,7 +250,7 @@ class TransferAgent:
         server_ctx = ServerContext(
             self._me, self._local, self.grants, cfg,
             BufferPool(cfg.num_serve_buffers, self._local.layers[0].device, cfg.chunk_nbytes),
-            executor, self._clock,
+            executor, self._clock, trace=self._trace,
         )
         copier = None
         if allowed(cfg.local_copy) and host_memory(self._local.layers):
@@ -260,7 +265,7 @@ class TransferAgent:
             self._me, self._local, cfg,
             BufferPool(cfg.num_read_slots * cfg.window_chunks, self._local.layers[0].device,
                        cfg.chunk_nbytes),
-            executor, copier=copier,
+            executor, copier=copier, trace=self._trace,
         )
         reads = Reads(reader_ctx, worker, f"{self.engine_id}:{self.global_rank}",
                       on_outcome=self._on_event)
@@ -312,6 +317,8 @@ class TransferAgent:
             thread.join(timeout_s)
             if thread.is_alive():
                 logger.warning("transfer agent thread did not stop within %ss", timeout_s)
+        if self._trace is not None:
+            self._trace.close()
 
     def abort(self) -> None:
         """Stop now without goodbyes (peers notice through their own deadlines)."""

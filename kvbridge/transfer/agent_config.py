@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import typing
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -26,6 +26,8 @@ _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _PositiveOrOff = Annotated[int, msgspec.Meta(ge=0)]
 _UpTo64 = Annotated[int, msgspec.Meta(gt=0, le=64)]
 _Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+#: How a staged chunk's pack and unpack run (``transfer/blocks/launching.py``).
+StagedLaunch = Literal["auto", "thread", "loop"]
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,7 +49,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             ``3 * heartbeat_s`` is dead.
         server_idle_timeout_s: a server drops a connection silent this long.
         chunk_nbytes: target bytes per data chunk (at least one block).
-        window_chunks: chunks a reader keeps posted per read (credit window).
+        window_chunks: chunks a reader keeps posted per read (credit window); a
+            chunk's buffer is posted again, and credited, as soon as its unpack ends.
         num_read_slots: reads staged at once (each holds ``window_chunks`` buffers).
         num_serve_buffers: chunk buffers shared by all reads this agent serves.
         max_frame_nbytes: largest control frame accepted.
@@ -94,6 +97,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             one per reader rank and peer); a connection beyond it is refused
             with a typed ``busy`` reject, so a flood of connections cannot take
             the agent's memory or tasks.
+        staged_launch: how a staged read's pack (server) and unpack (reader) run
+            (``transfer/blocks/launching.py``). ``"thread"``: on the agent's copy
+            thread, which waits for the device; ``"loop"``: launched on the agent's
+            event loop, whose tasks go on while a CUDA event says when the kernel
+            is done (on CPU caches the copy is done when the call returns, and
+            blocks the loop meanwhile). ``"auto"`` (default): ``"loop"`` for CUDA
+            caches, ``"thread"`` for CPU caches.
     """
 
     connect_timeout_s: _Seconds = 5.0
@@ -120,6 +130,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     grant_board: bool = True
     listen_host: _Host = "127.0.0.1"
     max_sessions: _Positive = 256
+    staged_launch: StagedLaunch = "auto"
 
     def __post_init__(self) -> None:
         # msgspec checks types and bounds when it converts (from_options), not when
@@ -156,6 +167,10 @@ def _field_rules() -> dict[str, tuple[type, object, str]]:
     """Per ``AgentConfig`` field: its plain type, its annotated type, and its bounds in words."""
     rules: dict[str, tuple[type, object, str]] = {}
     for info in msgspec.structs.fields(AgentConfig):
+        if typing.get_origin(info.type) is Literal:  # a choice among strings
+            choices = ", ".join(repr(choice) for choice in typing.get_args(info.type))
+            rules[info.name] = (str, info.type, f"one of {choices}")
+            continue
         kind, *metas = typing.get_args(info.type) or (info.type,)
         words = ["finite"] if kind is float else []
         for meta in metas:

@@ -118,6 +118,16 @@ def test_perftest_csv_is_parsed_in_decimal_gb() -> None:
         _parse_final_csv("Waiting for connection...\n", 1 << 20)
 
 
+def test_perftest_csv_is_found_between_ucx_log_lines() -> None:
+    """UCX prints warnings (an unused variable) between the header and the values."""
+    warn = "[1795877025.759285] [vm:5011 :0]  parser.c:2355 UCX  WARN  unused environment"
+    out = ("iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,"
+           f"overall_mr\n{warn}\n{warn}\n  50,121.9,124.1,124.1,8052.65,8052.65,8053,8053\n"
+           "[1795877025.853710] [vm:5011 :0]   | perftest intra-node cfg#0 | remote read |\n")
+    run = _parse_final_csv(out, 1 << 20)
+    assert run.num_iters == 50 and run.gbps_overall == pytest.approx(8052.65 * 2**20 / 1e9)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("test", ["tag_bw", "ucp_get"])
 def test_ucx_perftest_reports_positive_bandwidth(test: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from kvbridge.topology import EngineTopology, KVLayout, RemoteRead, build_read_plan
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.staging import BufferPool
+from kvbridge.transfer.chunk_trace import ChunkTrace
 from kvbridge.transfer.clock import ManualClock
 from kvbridge.transfer.local_kv import LocalKV, topology_info, topology_of
 from kvbridge.transfer.protocol import wire
@@ -61,9 +62,12 @@ FAST = dict(connect_timeout_s=5.0, handshake_timeout_s=5.0, reply_timeout_s=5.0,
             chunk_nbytes=BLOCK_NBYTES * LAYERS, window_chunks=1, local_copy=False)
 
 
-def caches(seed: int | None) -> list[torch.Tensor]:
-    """One ``[2, blocks, block_size, heads, head_dim]`` cache per layer (zeros: ``None``)."""
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+def caches(seed: int | None, topology: EngineTopology = TOPOLOGY) -> list[torch.Tensor]:
+    """One ``[2, blocks, block_size, heads, head_dim]`` cache per layer (NHD; HND swaps
+    the middle two) for ``topology`` (zeros: ``None``)."""
+    shape: tuple[int, ...] = (2, NUM_BLOCKS, topology.block_size, HEADS, HEAD_DIM)
+    if topology.layout == KVLayout.HND:
+        shape = (2, NUM_BLOCKS, HEADS, topology.block_size, HEAD_DIM)
     if seed is None:
         return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
     gen = torch.Generator().manual_seed(seed)
@@ -102,11 +106,13 @@ class Reader:
     failed: dict[str, set[int]] = field(default_factory=dict)
 
     def submit(self, request_id: str, grant: str, remote_ids: list[int],
-               local_ids: list[int]) -> None:
-        """Read whole blocks ``remote_ids`` into ``local_ids`` (returns at once)."""
+               local_ids: list[int], num_tokens: int | None = None) -> None:
+        """Read ``num_tokens`` (default: all) of blocks ``remote_ids`` into ``local_ids``
+        (returns at once)."""
+        if num_tokens is None:
+            num_tokens = BLOCK_SIZE * len(remote_ids)
         self.reads.submit(ReadJob(request_id, SERVER_ID, HOST, self.port, tuple(remote_ids),
-                                  tuple(local_ids), grant, BLOCK_SIZE * len(remote_ids),
-                                  time.monotonic()))
+                                  tuple(local_ids), grant, num_tokens, time.monotonic()))
 
     async def outcome(self, request_id: str, timeout_s: float = 15.0) -> ReadStats:
         """Wait for the read's outcome (``ok`` and ``error`` in the stats)."""
@@ -124,42 +130,52 @@ class Reader:
 @asynccontextmanager
 async def server_and_reader(
     server_config: dict[str, Any] | None = None, reader_config: dict[str, Any] | None = None,
-    *, chunk_delay_s: float = 0.0,
+    *, chunk_delay_s: float = 0.0, reader_topology: EngineTopology = TOPOLOGY,
+    trace: ChunkTrace | None = None, device: str = "cpu",
 ) -> AsyncIterator[tuple[Server, Reader]]:
     """A server session and a reader of it, closed on exit.
 
     ``chunk_delay_s``: the server waits this long before each data chunk
     (``tests/slow_serving.py``; every server of this process while inside).
+    ``reader_topology``: the reader's caches (layout, block size; the rest as
+    ``TOPOLOGY``). ``trace``: both halves' chunk trace (``chunk_trace.py``).
+    ``device``: where both sides' caches and staging buffers are (``"cuda"``: a
+    GPU run; every read then stages).
     """
     with slow_serving(chunk_delay_s) if chunk_delay_s else contextlib.nullcontext():
-        async with _server_and_reader(server_config, reader_config) as pair:
+        async with _server_and_reader(server_config, reader_config, reader_topology,
+                                      trace, torch.device(device)) as pair:
             yield pair
 
 
 @asynccontextmanager
 async def _server_and_reader(
     server_config: dict[str, Any] | None, reader_config: dict[str, Any] | None,
+    reader_topology: EngineTopology, trace: ChunkTrace | None, device: torch.device,
 ) -> AsyncIterator[tuple[Server, Reader]]:
     executor = ThreadPoolExecutor(1, thread_name_prefix="inproc-copy")
     s_cfg = AgentConfig(**{**FAST, **(server_config or {})})
     r_cfg = AgentConfig(**{**FAST, **(reader_config or {})})
     clock = ManualClock(1000.0)
     grants = GrantTable(clock, s_cfg.lease_s, 10 * s_cfg.lease_s)
-    s_local = LocalKV(TOPOLOGY, 0, 0, caches(seed=7))
-    s_ctx = ServerContext(identity(SERVER_ID), s_local, grants, s_cfg, BufferPool(4), executor,
-                          clock)
+    s_local = LocalKV(TOPOLOGY, 0, 0, [t.to(device) for t in caches(seed=7)])
+    s_ctx = ServerContext(identity(SERVER_ID), s_local, grants, s_cfg, BufferPool(4, device),
+                          executor, clock, trace=trace)
     copier = None
     if s_cfg.local_copy and r_cfg.local_copy:  # same-host copies (no grant board)
         s_ctx.probe = ProbeCell()
         s_ctx.host = s_ctx.probe.host_info(None)
         copier = Copier(r_cfg.copy_threads)
-    s_worker, r_worker = UcxWorker(), UcxWorker()
+    gpu_memory = device.type == "cuda"
+    s_worker, r_worker = UcxWorker(gpu_memory=gpu_memory), UcxWorker(gpu_memory=gpu_memory)
     reads: Reads | None = None
     try:
         port = s_worker.listen(HOST, 0, lambda conn: serve_connection(s_ctx, conn), timeout_s=5.0)
-        r_ctx = ReaderContext(identity(READER_ID), LocalKV(TOPOLOGY, 0, 0, caches(seed=None)),
-                              r_cfg, BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks),
-                              executor, copier=copier)
+        r_caches = [t.to(device) for t in caches(None, reader_topology)]
+        r_local = LocalKV(reader_topology, 0, 0, r_caches)
+        r_ctx = ReaderContext(identity(READER_ID), r_local, r_cfg,
+                              BufferPool(r_cfg.num_read_slots * r_cfg.window_chunks, device),
+                              executor, copier=copier, trace=trace)
         reads = Reads(r_ctx, r_worker, f"{READER_ID}:0")
         yield Server(s_worker, s_ctx, clock, port), Reader(r_worker, r_ctx, reads, port)
     finally:

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -67,12 +67,15 @@ class PerftestRun:
         gbps_overall: Bytes of all messages over the whole run's time, GB/s.
         overhead_p50_us: Median time per message as the tool measures it (with
             32 messages in flight this is not a latency).
+        output: What the client printed (stdout, then stderr), then the server:
+            UCX's own log lines (``UCX_PROTO_INFO``, warnings) come with it.
     """
 
     nbytes: int
     num_iters: int
     gbps_overall: float
     overhead_p50_us: float
+    output: str = ""
 
 
 def find_perftest() -> Path:
@@ -116,8 +119,13 @@ def _is_listening(port: int, pid: int) -> bool:
 
 
 def _parse_final_csv(stdout: str, nbytes: int) -> PerftestRun:
-    """Read ``iterations,<pct>_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...``."""
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    """Read ``iterations,<pct>_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...``.
+
+    UCX's own log lines (``[stamp] [host:pid:thread] ...``: a warning, protocol
+    tables) may come between the header and its values; they are skipped.
+    """
+    lines = [line.strip() for line in stdout.splitlines()
+             if line.strip() and not line.startswith("[")]
     for header, values in zip(lines, lines[1:], strict=False):
         if "overall_bw" not in header:
             continue
@@ -134,7 +142,8 @@ def _parse_final_csv(stdout: str, nbytes: int) -> PerftestRun:
 
 def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 120.0,
                  test: str = "tag_bw", placement: Placement = LOOPBACK, *,
-                 memory: str = "host", num_pieces: int = 1) -> PerftestRun:
+                 memory: str = "host", num_pieces: int = 1,
+                 error_handling: bool = False) -> PerftestRun:
     """One run of ``iters`` messages of ``nbytes`` between two processes.
 
     Args:
@@ -143,6 +152,10 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
         memory: ``host``, or ``cuda`` (both sides' buffers in GPU memory).
         num_pieces: > 1: each message is a scatter-gather list of that many equal
             pieces on both sides (``-D iov,iov``); ``nbytes`` must divide evenly.
+        error_handling: endpoints with peer error handling on both sides (``-e``, as
+            a reader that must survive a dead peer needs), and for ``ucp_get`` a
+            responder that does not progress (``-o``): whether UCX serves the get
+            without the serving process (docs/design.md, "One-sided reads").
 
     Raises:
         ValueError: ``nbytes`` or ``iters`` < 1, ``warmup`` < 0, unknown ``test``.
@@ -160,12 +173,15 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
     sizes = ",".join([str(nbytes // num_pieces)] * num_pieces)
     layout = ["-D", "iov,iov"] if num_pieces > 1 else []
     mem = ["-m", f"{memory},{memory}"] if memory != "host" else []
+    both = ["-e"] if error_handling else []
+    passive = ["-o"] if error_handling and test == "ucp_get" else []
     binary = find_perftest()
     env = _perftest_env(binary, placement)
     port = _free_port()  # on this host; a fresh namespace host has every port free
     with tempfile.TemporaryFile() as server_log:
         # ``ip netns exec`` execs the command: server.pid is the server's own pid
-        server = subprocess.Popen(placement.serve.command([str(binary), "-p", str(port)]),
+        server = subprocess.Popen(placement.serve.command([str(binary), "-p", str(port),
+                                                           *both]),
                                   env=env, stdout=server_log, stderr=subprocess.STDOUT)
         try:
             give_up = time.monotonic() + _LISTEN_TIMEOUT_S
@@ -178,7 +194,8 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
             client = subprocess.run(
                 placement.read.command([str(binary), placement.serve.ip, "-p", str(port),
                                         "-t", test, "-s", sizes, "-n", str(iters),
-                                        "-w", str(warmup), "-f", "-v", *layout, *mem]),
+                                        "-w", str(warmup), "-f", "-v", *layout, *mem,
+                                        *both, *passive]),
                 env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
             )
             if client.returncode != 0:
@@ -191,7 +208,10 @@ def run_perftest(nbytes: int, iters: int, warmup: int = 10, timeout_s: float = 1
             if server.poll() is None:
                 server.kill()
                 server.wait()
-    return _parse_final_csv(client.stdout, nbytes)
+        server_log.seek(0)
+        server_output = server_log.read().decode(errors="replace")
+    return replace(_parse_final_csv(client.stdout, nbytes),
+                   output=client.stdout + client.stderr + server_output)
 
 
 def run_peer(sizes: list[int], iters: int, workload: KVWorkload | None = None,

@@ -28,6 +28,7 @@ from kvbridge.topology import RemoteRead
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.ranges import HeadSpan, num_planes
 from kvbridge.transfer.blocks.staging import BufferPool
+from kvbridge.transfer.chunk_trace import ChunkTrace
 from kvbridge.transfer.local_kv import LocalKV
 from kvbridge.transfer.protocol import wire
 from kvbridge.transfer.protocol.handshake import Identity
@@ -53,6 +54,7 @@ class ReaderContext:
     codec: wire.MessageCodec = field(default_factory=wire.MessageCodec)
     ucp: UcpLibrary = field(default_factory=UcpLibrary)
     copier: Copier | None = None  # None: no same-host copies
+    trace: ChunkTrace | None = None  # staged chunks' timeline (``chunk_trace.py``); None: off
 
 
 @dataclass(slots=True)

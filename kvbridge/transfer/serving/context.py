@@ -27,6 +27,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.topology import num_expected_readers
 from kvbridge.transfer.agent_config import AgentConfig
 from kvbridge.transfer.blocks.staging import BufferPool
+from kvbridge.transfer.chunk_trace import ChunkTrace
 from kvbridge.transfer.clock import Clock
 from kvbridge.transfer.errors import PeerTimeoutError
 from kvbridge.transfer.local_kv import LocalKV, topology_from_info
@@ -79,6 +80,7 @@ class ServerContext:
     # the engine takes them (``TransferAgent.take_grant_waits``; appended on the loop).
     grant_waits: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=4096))
+    trace: ChunkTrace | None = None  # staged chunks' timeline (``chunk_trace.py``); None: off
 
 
 @dataclass(eq=False, slots=True)
