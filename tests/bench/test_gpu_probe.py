@@ -46,7 +46,11 @@ EXPECTED = (
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PY": sys.executable, "PYTHONUNBUFFERED": "1"}
+    # As from a fresh shell on the device: without the UCX_ variables ``import ucxx``
+    # left in this process's environment (another test imported it), which would hide
+    # what ucxx sets from the probe's environment line.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("UCX_")},
+           "PY": sys.executable, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
 
