@@ -3,6 +3,8 @@
 #   - the tests that start vLLM servers: tests/integrations/vllm, then the benchmarks'
 #     vLLM runs (kvbridge bench serve, kvbridge bench vllm); server starts keep both
 #     cores busy,
+#     and, to keep the halves even, the GPU scripts' CPU dry runs (gpu_check, gpu_probe:
+#     ~75 s that made the other half the longer one by 3 min),
 #   - everything else: many of its tests wait on child processes, sockets and deadlines,
 #     and leave a core idle while they do.
 # Side by side they take far less wall time than one after the other on two cores (the
@@ -18,7 +20,8 @@ set -uo pipefail
 PYTHON=$1
 shift
 VLLM_TESTS=(tests/integrations/vllm tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py
-            tests/bench/test_serve_netns.py)
+            tests/bench/test_serve_netns.py tests/bench/test_gpu_check.py
+            tests/bench/test_gpu_probe.py)
 
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 if [ "$low" -ge 24000 ]; then
