@@ -165,8 +165,12 @@ def test_a_copy_whose_grant_changed_meanwhile_is_not_kept(
         return spot
 
     monkeypatch.setattr(copy_source, "find_grant", find_then_change)
-    finished, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
-    assert changed == [what] and "changed" not in finished  # not kept inline
+    _, stats = read_now(server, reader, "changed", [6, 8], [12, 13])
+    # Not kept inline: a revoked grant fails the read and moved caches are read on the
+    # server's go, not counted as a copy on the board's word (below). Whether the read
+    # was done when start_read returned says nothing: the loop may already have heard
+    # the server's answer by the time get_finished is called (a loaded machine).
+    assert changed == [what]
     if what == "revoked":
         assert not stats.ok and "RejectedError" in stats.error, stats
         assert reader.get_failed_block_ids() == {"changed": {12, 13}}
