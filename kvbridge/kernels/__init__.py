@@ -14,6 +14,8 @@ as one stacked tensor with a leading layer dimension::
     fused K/V (vLLM CPU) as cache[None]:
          [1, num_blocks, num_heads, block_size, 2 * head_size]   (HND; whole blocks of
                                                    one block size only, see caches.py)
+    split K/V (SGLang), one entry per K or V plane, as plane[None]:
+         [1, num_blocks, block_size, num_heads, head_dim]   (NHD; converts like NHD)
 
 Data is copied as raw elements (fp32, fp16, bf16, fp8, uint8 are all bit-exact).
 CUDA tensors run the Triton kernels, CPU tensors a single-pass torch path;

@@ -17,6 +17,13 @@ whose K/V dimension is 1. They are HND, and their "head row" is the whole
 
     one block, one head:  | K^T: head_size x block_size | V: block_size x head_size |
     as rows:              | row 0 | row 1 | ...  | row block_size-1 |   (2*head_size each)
+
+Split K/V caches (SGLang: K and V of a layer in two tensors, each
+``[num_blocks, block_size, num_heads, head_dim]``) are passed as one entry per
+plane, each its single-plane view ``plane[None]`` = ``[1, num_blocks, block_size,
+num_heads, row]``, NHD. The same 5-D shape as a fused view: the layout tells them
+apart (a single plane is fused when HND, split when NHD). A split plane is plain
+token-major NHD, so it packs, re-blocks and takes head slices as a K/V pair does.
 """
 
 from __future__ import annotations
@@ -73,8 +80,13 @@ class CacheSet:
 
     @property
     def fused_kv(self) -> bool:
-        """One plane of fused K/V rows per layer (a ``[1, N, H, B, row]`` view)."""
-        return not self.is_mla and self.num_kv == 1
+        """One plane of fused K/V rows per layer (a ``[1, N, H, B, row]`` view, HND)."""
+        return not self.is_mla and self.num_kv == 1 and self.layout is KVLayout.HND
+
+    @property
+    def split_kv(self) -> bool:
+        """One plane, K or V alone, per layer entry (a ``[1, N, B, H, D]`` view, NHD)."""
+        return not self.is_mla and self.num_kv == 1 and self.layout is KVLayout.NHD
 
     @property
     def num_kv(self) -> int:
@@ -131,16 +143,16 @@ def split_layers(
 
     Args:
         layer_caches: per-layer tensors, or one tensor with a leading layer dimension.
-            A 5-D tensor whose K/V dimension is 1 is a fused K/V cache's
-            single-plane view (see the module docstring).
-        layout: layout of the non-MLA tensors (HND for fused ones); None when it
-            does not matter (whole-block copies).
+            A 5-D tensor whose K/V dimension is 1 is a single-plane view: of a
+            fused K/V cache when ``layout`` is HND, of a split K/V cache's K or
+            V plane when it is NHD (see the module docstring).
+        layout: layout of the non-MLA tensors; None when it does not matter
+            (whole-block copies).
         what: name used in error messages (``"caches"``, ``"src caches"``...).
 
     Raises:
         KernelInputError: empty list, mixed shapes/dtypes/devices, wrong rank,
-            ``K/V`` dimension not 1 or 2, a fused cache said to be NHD, or a head
-            row that is not contiguous.
+            ``K/V`` dimension not 1 or 2, or a head row that is not contiguous.
     """
     try:
         layout = None if layout is None else KVLayout.parse(layout)
@@ -166,20 +178,16 @@ def split_layers(
             )
     if first.dim() not in (3, 5):
         raise KernelInputError(
-            f"{what}: layer tensors must be 5-D (NHD/HND, or [1, ...] for a fused K/V "
-            f"cache: pass cache[None]) or 3-D (MLA), got shape {tuple(first.shape)}"
+            f"{what}: layer tensors must be 5-D (NHD/HND, or [1, ...] for a split K or V "
+            f"plane or a fused K/V cache: pass cache[None]) or 3-D (MLA), got shape "
+            f"{tuple(first.shape)}"
         )
     if first.dim() == 5 and first.shape[0] not in (1, 2):
         raise KernelInputError(
-            f"{what}: dim 0 of a K/V cache must be 2, got {first.shape[0]} (1: a fused "
-            f"K/V cache's single-plane view)"
+            f"{what}: dim 0 of a K/V cache must be 2, got {first.shape[0]} (1: the "
+            f"single-plane view of a fused K/V cache or of a split K or V plane)"
         )
-    fused_kv = first.dim() == 5 and first.shape[0] == 1
-    if fused_kv and layout is KVLayout.NHD:
-        raise KernelInputError(
-            f"{what}: a fused K/V cache {tuple(first.shape)} keeps heads outer (HND), "
-            f"not NHD"
-        )
+    single_plane = first.dim() == 5 and first.shape[0] == 1
     if first.dtype.is_complex or first.element_size() not in _INT_DTYPES:
         raise KernelInputError(f"{what}: unsupported dtype {first.dtype}")
     is_mla = first.dim() == 3
@@ -194,10 +202,8 @@ def split_layers(
         views.append(raw[None, :, :, None, :] if is_mla else raw)
     if is_mla:
         layout = KVLayout.NHD
-    elif fused_kv:
-        layout = KVLayout.HND
     elif layout is None:  # whole-block copies: either order will do
-        layout = KVLayout.NHD
+        layout = KVLayout.HND if single_plane else KVLayout.NHD
     return CacheSet(layers=tuple(views), layout=layout, is_mla=is_mla, dtype=first.dtype)
 
 

@@ -27,10 +27,39 @@ def check_heads(caches: CacheSet, head_start: int, head_end: int) -> None:
         raise KernelInputError(f"head slice [{head_start}, {head_end}) is not within {what}")
 
 
+def _planes(is_mla: bool, fused_kv: bool, split_kv: bool) -> str:
+    if is_mla:
+        return "MLA latents"
+    if fused_kv:
+        return "fused K/V planes (HND)"
+    return "split K or V planes (NHD)" if split_kv else "K/V pairs"
+
+
+def check_split(fmt: PackedFormat, caches: CacheSet) -> None:
+    """Raise unless split K/V planes land in split K/V caches, and only those.
+
+    A split plane is NHD on both sides and never relaid out: a ``[1, ...]`` cache
+    given as HND is a fused K/V cache, another kind, and is refused here with
+    both kinds named rather than as a field mismatch.
+    """
+    if not (fmt.split_kv or caches.split_kv):
+        return
+    theirs = _planes(fmt.is_mla, fmt.fused_kv, fmt.split_kv)
+    ours = _planes(caches.is_mla, caches.fused_kv, caches.split_kv)
+    if theirs != ours:
+        raise KernelInputError(
+            f"packed {theirs} land only in caches of that kind, not in {ours} "
+            f"{tuple(caches.layers[0].shape)}: a [1, ...] cache is a fused K/V plane when "
+            f"HND, a split K or V plane when NHD (split planes are NHD on both sides, never "
+            f"relaid out)"
+        )
+
+
 def check_format(fmt: PackedFormat, caches: CacheSet, head_offset: int) -> None:
     """Raise unless ``fmt`` can land in ``caches`` at ``head_offset``."""
     if not isinstance(fmt, PackedFormat):
         raise KernelInputError(f"fmt must be a PackedFormat, got {type(fmt).__name__}")
+    check_split(fmt, caches)
     mismatches = [
         (name, theirs, ours)
         for name, theirs, ours in (

@@ -129,7 +129,9 @@ def unpack(
     Fused K/V caches (single-plane views, :mod:`kvbridge.kernels.caches`) take
     only buffers packed from fused caches of their block size, and only whole
     blocks (``num_tokens``, ``token_offset`` and ``src_token_offset`` multiples
-    of it): their rows are not tokens, so anything else would land wrong.
+    of it): their rows are not tokens, so anything else would land wrong. Split
+    K/V caches (one K or V plane per entry, NHD) take only buffers packed from
+    split caches, and convert block sizes and offsets as NHD K/V caches do.
 
     Args:
         buf: the packed bytes (``uint8`` or the cache dtype), contiguous, same device.
@@ -147,7 +149,8 @@ def unpack(
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
-        KernelInputError: a ``fmt`` that does not fit the caches, bad ranges, ids or buffer, or a
+        KernelInputError: a ``fmt`` that does not fit the caches (split K/V planes
+            into any other kind, or back), bad ranges, ids or buffer, or a
             conversion or partial block asked of fused K/V caches.
     """
     caches = split_layers(layer_caches, local_layout, "caches")
@@ -290,4 +293,5 @@ def _format_of(caches: CacheSet, num_heads: int) -> PackedFormat:
         num_layers=caches.num_layers,
         is_mla=caches.is_mla,
         fused_kv=caches.fused_kv,
+        split_kv=caches.split_kv,
     )

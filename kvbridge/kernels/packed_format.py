@@ -13,6 +13,8 @@ The sender's :func:`kvbridge.kernels.pack` writes, and the receiver's
     payload, MLA:  [block_size][latent_dim]  (num_heads == 1, head_dim == latent_dim)
     fused K/V:     [num_heads][block_size][2 * head_size]  (num_kv == 1, HND, head_dim ==
                    2 * head_size: each head's K^T | V run of a vLLM CPU block, as it is)
+    split K/V:     [block_size][num_heads][head_dim]  (num_kv == 1, NHD: each layer entry
+                   is one K or V plane of an SGLang cache; converts like NHD)
 
 Pack therefore does no relayout (it is a pure gather); the receiver fixes layout,
 block size and head offset in its single unpack pass. The reader builds the
@@ -47,6 +49,9 @@ class PackedFormat:
         fused_kv: one plane of fused K/V rows per layer (vLLM CPU caches; HND,
             ``head_dim`` is the ``2 * head_size`` row). Such buffers land only in
             caches with the same block size, whole blocks at a time.
+        split_kv: one plane, K or V alone, per layer entry (SGLang caches; NHD).
+            Such buffers land only in split K/V caches (NHD too), with block
+            size conversion, partial blocks and head offsets as for NHD K/V.
     """
 
     layout: KVLayout
@@ -57,6 +62,7 @@ class PackedFormat:
     num_layers: int
     is_mla: bool = False
     fused_kv: bool = False
+    split_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_heads", "head_dim", "num_layers"):
@@ -75,11 +81,16 @@ class PackedFormat:
                 f"a fused K/V packed format is HND and not MLA, got {self.layout}, "
                 f"is_mla {self.is_mla}"
             )
+        if self.split_kv and (self.is_mla or self.fused_kv or self.layout is not KVLayout.NHD):
+            raise KernelInputError(
+                f"a split K/V packed format is NHD, not MLA and not fused, got {self.layout}, "
+                f"is_mla {self.is_mla}, fused_kv {self.fused_kv}"
+            )
 
     @property
     def num_kv(self) -> int:
-        """Tensors per layer in the buffer: 2 (K and V), or 1 for MLA and fused K/V."""
-        return 1 if self.is_mla or self.fused_kv else 2
+        """Tensors per layer in the buffer: 2 (K and V), or 1 for MLA, fused and split K/V."""
+        return 1 if self.is_mla or self.fused_kv or self.split_kv else 2
 
     @property
     def payload_numel(self) -> int:

@@ -3,7 +3,8 @@
 An :class:`EngineTopology` is the static description of one engine (the local
 one, or a peer learned in the handshake): TP and PP sizes, block size, the
 model-wide KV head and layer counts, MLA or not, the cache layout, and whether
-K and V share one plane per head (``fused_kv``, vLLM's CPU cache).
+K and V share one plane per head (``fused_kv``, vLLM's CPU cache) or each have a
+tensor of their own (``split_kv``, SGLang's cache).
 
 The two split rules live here so that P and D, which both call them, always
 agree on who holds what:
@@ -123,12 +124,21 @@ class EngineTopology:
             heads outer (HND). Heads split over TP ranks as usual, but K is not
             token-major, so such blocks move only whole, never re-blocked or
             relaid out.
+        split_kv: Every entry of the engine's layer list is ONE plane, K or V
+            alone, ``[num_blocks, block_size, num_heads, head_dim]`` (NHD), as
+            SGLang keeps them: the list alternates K of layer 0, V of layer 0,
+            K of layer 1, ..., and ``num_layers`` counts these planes (twice
+            the model's attention layers). kvbridge never pairs them: PP
+            splits this list as it is, and an even count is the engine's
+            business. Token-major like any NHD cache: heads split over TP,
+            block sizes convert and reads may start inside a block.
 
     Raises:
         ConfigError: a size is not positive, ``tp_size`` and ``num_kv_heads``
             do not divide one another, ``pp_size > num_layers``, an MLA
-            engine declares more than one KV head, or ``fused_kv`` with MLA or
-            with a layout other than HND.
+            engine declares more than one KV head, ``fused_kv`` with MLA or
+            with a layout other than HND, or ``split_kv`` with MLA, with
+            ``fused_kv`` or with a layout other than NHD.
     """
 
     tp_size: int
@@ -139,6 +149,7 @@ class EngineTopology:
     layout: KVLayout
     num_layers: int
     fused_kv: bool = False
+    split_kv: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", KVLayout.parse(self.layout))
@@ -153,6 +164,12 @@ class EngineTopology:
             raise ConfigError(
                 f"a fused K/V cache (vLLM CPU) keeps heads outer in each block: it needs "
                 f"layout HND and no MLA, got layout {self.layout}, is_mla {self.is_mla}"
+            )
+        if self.split_kv and (self.is_mla or self.fused_kv or self.layout is not KVLayout.NHD):
+            raise ConfigError(
+                f"a split K/V cache (one K or V plane per layer entry, SGLang) is token-major: "
+                f"it needs layout NHD, no MLA and no fused K/V, got layout {self.layout}, "
+                f"is_mla {self.is_mla}, fused_kv {self.fused_kv}"
             )
         big, small = max(self.tp_size, self.num_kv_heads), min(self.tp_size, self.num_kv_heads)
         if big % small:

@@ -16,6 +16,15 @@ vLLM's CPU backend fuses K and V into one plane per layer (``fused_kv`` in
 kvbridge treats its last dim as one "row" per head and token slot (HND, one
 plane), which is exact for whole blocks and head slices only: K is not
 token-major, so such blocks are never re-blocked or relaid out.
+
+SGLang keeps K and V of each layer in two tensors (``split_kv`` in
+``EngineTopology``): every entry of the layer list is one plane, NHD, and the
+list alternates K and V::
+
+    split  [num_blocks, block_size, num_kv_heads, head_dim]   K0, V0, K1, V1, ...
+
+kvbridge treats each entry as a layer of one plane (``[1, ...]`` NHD). It is
+token-major, so it converts block sizes and takes head slices as NHD does.
 """
 
 from __future__ import annotations

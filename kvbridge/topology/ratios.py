@@ -114,8 +114,8 @@ def check_compatible(local: EngineTopology, remote: EngineTopology) -> None:
     """Check that two engines serve the same model shape with mappable sizes.
 
     Layout may differ (the unpack kernels convert it); everything else must
-    either match (head and layer counts, MLA, fused K/V) or divide (TP, PP,
-    block size). Fused K/V caches (vLLM CPU, K transposed in each block) are
+    either match (head and layer counts, MLA, fused K/V, split K/V) or divide
+    (TP, PP, block size). Fused K/V caches (vLLM CPU, K transposed in each block) are
     never converted: their block sizes must be equal too (their layouts are,
     since ``EngineTopology`` admits them only as HND).
 
@@ -133,6 +133,12 @@ def check_compatible(local: EngineTopology, remote: EngineTopology) -> None:
             f"fused_kv differs: local {local.fused_kv}, remote {remote.fused_kv}; a vLLM CPU "
             f"cache (K and V fused per head, K transposed) pairs only with another: run P "
             f"and D on the same attention backend"
+        )
+    if local.split_kv != remote.split_kv:
+        raise IncompatibleTopologyError(
+            f"split_kv differs: local {local.split_kv}, remote {remote.split_kv}; a split K/V "
+            f"cache (one tensor per K and per V, SGLang) pairs only with another: run P and D "
+            f"on the same engine"
         )
     if local.fused_kv and local.block_size != remote.block_size:
         raise IncompatibleTopologyError(

@@ -91,6 +91,8 @@ class RemoteRead:
         is_mla: The block holds one MLA latent per token (``head_dim`` = latent dim).
         fused_kv: The block is one plane holding K and V of each head as one run
             (vLLM CPU; ``head_dim`` = the ``2 * head_size`` row, layout HND).
+        split_kv: Each layer entry is one plane, K or V alone (SGLang; NHD), so
+            ``global_layers`` count planes.
     """
 
     remote_rank: int
@@ -108,6 +110,7 @@ class RemoteRead:
     remote_layout: KVLayout
     is_mla: bool
     fused_kv: bool = False
+    split_kv: bool = False
 
     @property
     def remote(self) -> RemoteRank:
@@ -116,8 +119,9 @@ class RemoteRead:
 
     @property
     def num_planes(self) -> int:
-        """Per-layer block planes: 2 (K and V), or 1 (MLA latent, or fused K/V)."""
-        return 1 if self.is_mla or self.fused_kv else 2
+        """Per-layer block planes: 2 (K and V), or 1 (MLA latent, fused K/V, or a
+        split cache's K or V)."""
+        return 1 if self.is_mla or self.fused_kv or self.split_kv else 2
 
     def block_byte_ranges(self, elem_size: int, head_dim: int) -> list[tuple[int, int]]:
         """Byte ranges to read from one plane (K or V) of one remote block of one layer.
@@ -265,6 +269,7 @@ def build_read_plan(
                 remote_layout=remote.layout,
                 is_mla=remote.is_mla,
                 fused_kv=remote.fused_kv,
+                split_kv=remote.split_kv,
             )
         )
     return ReadPlan(

@@ -143,7 +143,7 @@ class TransferAgent:
 
     Raises:
         ConfigError: the ranks are out of range for ``topology``, or ``compat`` and
-            ``topology`` disagree on ``fused_kv``.
+            ``topology`` disagree on ``fused_kv`` or ``split_kv``.
     """
 
     def __init__(
@@ -162,11 +162,12 @@ class TransferAgent:
     ) -> None:
         if not engine_id:
             raise ConfigError("engine_id must be a non-empty string")
-        if compat.fused_kv != topology.fused_kv:
-            raise ConfigError(
-                f"CompatInfo.fused_kv {compat.fused_kv} != EngineTopology.fused_kv "
-                f"{topology.fused_kv}: describe one cache"
-            )
+        for name in ("fused_kv", "split_kv"):
+            if getattr(compat, name) != getattr(topology, name):
+                raise ConfigError(
+                    f"CompatInfo.{name} {getattr(compat, name)} != EngineTopology.{name} "
+                    f"{getattr(topology, name)}: describe one cache"
+                )
         self.engine_id = engine_id
         self.topology = topology
         self.tp_rank, self.pp_rank = tp_rank, pp_rank

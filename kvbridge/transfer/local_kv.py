@@ -36,10 +36,15 @@ class LocalKV:
             ``[2, num_blocks, num_heads, block_size, head_dim]``, MLA
             ``[num_blocks, block_size, latent_dim]``, fused K/V (``topology.fused_kv``,
             vLLM CPU) ``[num_blocks, num_heads, block_size, 2 * head_size]`` or its
-            single-plane view ``[1, num_blocks, ...]``; contiguous, CPU.
+            single-plane view ``[1, num_blocks, ...]``, split K/V
+            (``topology.split_kv``, SGLang: K of layer 0, V of layer 0, K of layer
+            1, ... one entry each) ``[num_blocks, block_size, num_heads, head_dim]``
+            or its single-plane view; contiguous, CPU.
 
-    Fused caches are kept as single-plane views (``layers``), the form the
-    kernels take; ``head_dim`` is then the whole ``2 * head_size`` row.
+    Fused and split caches are kept as single-plane views (``layers``), the
+    form the kernels take; a fused cache's ``head_dim`` is then the whole
+    ``2 * head_size`` row. Each split entry is a layer of one plane here, at its
+    own address: ``plane_origins`` lists one origin per entry.
 
     Raises:
         ConfigError: a tensor disagrees with the topology or with the others.
@@ -63,7 +68,7 @@ class LocalKV:
                 f"rank (tp {tp_rank}, pp {pp_rank}) holds {num_layers} layers, "
                 f"got {len(self.layers)} cache tensors"
             )
-        if topology.fused_kv:  # [N, H, B, row] -> [1, N, H, B, row]: one K/V plane
+        if self._single_plane:  # [N, A, B, row] -> [1, N, A, B, row]: one plane
             self.layers = [t.unsqueeze(0) if t.dim() == 4 else t for t in self.layers]
         first = self.layers[0]
         for index, layer in enumerate(self.layers):
@@ -79,10 +84,12 @@ class LocalKV:
             expected_rank, (num_blocks, block_size, head_dim) = 3, tuple(first.shape[-3:])
         else:
             expected_rank = 5
-            num_kv = 1 if topology.fused_kv else 2
+            num_kv = 1 if self._single_plane else 2
             if first.dim() != 5 or first.shape[0] != num_kv:
                 want = ("[num_blocks, heads, block_size, 2 * head_size] fused K/V"
-                        if topology.fused_kv else "[2, ...] 5-D K/V")
+                        if topology.fused_kv else
+                        "[num_blocks, block_size, heads, head_dim] split K or V"
+                        if topology.split_kv else "[2, ...] 5-D K/V")
                 raise ConfigError(f"expected a {want} cache, got {tuple(first.shape)}")
             _, num_blocks, a, b, head_dim = first.shape
             block_size, heads = (a, b) if topology.layout is KVLayout.NHD else (b, a)
@@ -91,7 +98,8 @@ class LocalKV:
                     f"cache holds {heads} heads, topology says {self.num_heads} per rank"
                 )
         if first.dim() != expected_rank or block_size != topology.block_size:
-            kind = "MLA" if topology.is_mla else "fused" if topology.fused_kv else topology.layout
+            kind = ("MLA" if topology.is_mla else "fused" if topology.fused_kv
+                    else "split" if topology.split_kv else topology.layout)
             raise ConfigError(
                 f"cache shape {tuple(first.shape)} does not match block size "
                 f"{topology.block_size} ({kind})"
@@ -101,7 +109,7 @@ class LocalKV:
         self.elem_nbytes = first.element_size()
         self.dtype = str(first.dtype).removeprefix("torch.")
         # One block of one layer: the MLA latent rows, or each of its planes (K and
-        # V, or the one fused plane) together.
+        # V, or the one fused or split plane) together.
         plane_numel = first[0].numel() if topology.is_mla else first[0, 0].numel()
         self.block_nbytes = plane_numel * self.num_planes * self.elem_nbytes
         self._place: tuple[tuple[int, ...], int] = ((), 0)  # the addresses, their place()
@@ -111,9 +119,15 @@ class LocalKV:
         ] = {}
 
     @property
+    def _single_plane(self) -> bool:
+        """Each layer entry is one plane of ``[2, ...]``'s shape: fused or split K/V."""
+        return self.topology.fused_kv or self.topology.split_kv
+
+    @property
     def num_planes(self) -> int:
-        """Planes per block and layer: K and V, or one (MLA's latent, fused K/V)."""
-        return 1 if self.topology.is_mla or self.topology.fused_kv else 2
+        """Planes per block and layer: K and V, or one (MLA's latent, fused K/V, or a
+        split cache's K or V)."""
+        return 1 if self.topology.is_mla or self._single_plane else 2
 
     def place(self) -> int:
         """A fingerprint (63 bits, never 0) of where the caches are now: it changes if one
@@ -141,7 +155,7 @@ class LocalKV:
 
     def plane_origins(self, layers: slice) -> npt.NDArray[np.uint64]:
         """Address of block 0 of each plane of ``layers``: ``[layer0 K, layer0 V, layer1 K, ...]``
-        (one plane per layer, the tensor's own address, for MLA and fused K/V).
+        (one plane per layer, the tensor's own address, for MLA, fused and split K/V).
 
         Read from the tensors on every call (a storage can move in place:
         ``share_memory_``, or pickling a tensor to another process, does that);
@@ -163,7 +177,8 @@ class LocalKV:
 
     @property
     def plane_block_nbytes(self) -> int:
-        """Bytes of one block of one K (or V, MLA latent, fused K/V) plane of one layer."""
+        """Bytes of one block of one K (or V, MLA latent, fused K/V) plane of one layer
+        (of one split K or V entry)."""
         return self.block_nbytes // self.num_planes
 
     def metadata(
@@ -203,6 +218,7 @@ class LocalKV:
             proof=proof,
             host=host,
             fused_kv=topo.fused_kv,
+            split_kv=topo.split_kv,
         )
 
 
@@ -217,6 +233,7 @@ def topology_info(topology: EngineTopology) -> wire.TopologyInfo:
         layout=str(topology.layout),
         num_layers=topology.num_layers,
         fused_kv=topology.fused_kv,
+        split_kv=topology.split_kv,
     )
 
 
@@ -236,6 +253,7 @@ def topology_from_info(info: wire.TopologyInfo) -> EngineTopology:
         layout=KVLayout.parse(info.layout),
         num_layers=info.num_layers,
         fused_kv=info.fused_kv,
+        split_kv=info.split_kv,
     )
 
 
@@ -254,4 +272,5 @@ def topology_of(meta: wire.AgentMetadata) -> EngineTopology:
         layout=KVLayout.parse(meta.layout),
         num_layers=meta.num_model_layers,
         fused_kv=meta.fused_kv,
+        split_kv=meta.split_kv,
     )

@@ -30,8 +30,9 @@ def as_layers(caches: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tenso
 
 
 def _kv_blocks(layer: torch.Tensor) -> list[torch.Tensor]:
-    """``[num_blocks, ...]`` tensors, one per K/V (MLA: the latent alone)."""
-    return [layer] if layer.dim() == 3 else [layer[0], layer[1]]
+    """``[num_blocks, ...]`` tensors, one per K/V (MLA: the latent alone; a split
+    K/V cache's ``[1, ...]`` plane: that plane)."""
+    return [layer] if layer.dim() == 3 else list(layer.unbind(0))
 
 
 def _token_heads(block: torch.Tensor, layout: KVLayout, token: int) -> torch.Tensor:

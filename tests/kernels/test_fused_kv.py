@@ -174,8 +174,9 @@ def test_conversions_and_partial_blocks_are_refused(impl: Impl) -> None:
     assert "whole blocks of 8 tokens: num_tokens 13" in refused(impl, num_tokens=13)
     assert "token_offset 3" in refused(impl, token_offset=3)
     assert "src_token_offset 4" in refused(impl, src_token_offset=4, num_tokens=8)
-    assert "fused K/V cache (1, 12, 2, 8, 8) keeps heads outer (HND), not NHD" in refused(
-        impl, local_layout=KVLayout.NHD)
+    # a [1, ...] cache given as NHD is a split K or V plane, another kind of cache
+    assert ("packed fused K/V planes (HND) land only in caches of that kind, not in split K "
+            "or V planes (NHD) (1, 12, 2, 8, 8)") in refused(impl, local_layout=KVLayout.NHD)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

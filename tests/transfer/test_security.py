@@ -162,6 +162,7 @@ CHANGED: dict[str, Any] = {
     "block_size": 32,
     "is_mla": True,
     "fused_kv": True,
+    "split_kv": True,
 }
 
 

@@ -84,7 +84,8 @@ def span_of(
 
 
 def num_planes(local: LocalKV) -> int:
-    """Planes per block and layer: K and V, or one (MLA's latent, fused K/V)."""
+    """Planes per block and layer: K and V, or one (MLA's latent, fused K/V, a split
+    cache's K or V)."""
     return local.num_planes
 
 

@@ -65,7 +65,7 @@ from kvbridge.topology import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: int = 10  # 2: direct reads, prompt-bound grants; 3: same-host copies;
+PROTOCOL_VERSION: int = 11  # 2: direct reads, prompt-bound grants; 3: same-host copies;
 # 4: the grant board (copies without asking); 5: fused K/V caches (fused_kv in TopologyInfo,
 # AgentMetadata and the compat hash); 6: a lease renewal names its read (RenewLease and
 # LeaseRenewed carry xfer_id; a refused one is Reject(xfer_id, renewal=True), not xfer_id 0);
@@ -75,7 +75,9 @@ PROTOCOL_VERSION: int = 10  # 2: direct reads, prompt-bound grants; 3: same-host
 # cap may answer a new connection with a Reject instead of a Challenge); 10:
 # RejectReason.NO_READ (a server renews a lease only for a read of it in flight, and
 # refuses any other renewal so; a 9 peer's decoder fails on the new value, which
-# would end its whole link: the handshake refuses it first)
+# would end its whole link: the handshake refuses it first); 11: split K/V caches
+# (split_kv in TopologyInfo, AgentMetadata and the compat hash: SGLang's one tensor per
+# K and per V, each a layer entry of one plane)
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MIN_SECRET_NBYTES = 16  # shorter secrets are accepted with a warning
@@ -241,6 +243,9 @@ class CompatInfo:
         fused_kv: K and V fused in one plane per head (vLLM's CPU cache, K
             transposed in each block; ``EngineTopology.fused_kv``). Hashed: a
             fused and a non-fused cache never pair.
+        split_kv: K and V in separate tensors, one layer entry each (SGLang's
+            cache; ``EngineTopology.split_kv``; ``num_layers`` counts those
+            entries). Hashed: a split and a non-split cache never pair.
 
     Raises:
         ConfigError: empty model or dtype, or a count that is not >= 1.
@@ -256,6 +261,7 @@ class CompatInfo:
     block_size: int
     is_mla: bool
     fused_kv: bool = False
+    split_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -269,7 +275,7 @@ class CompatInfo:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"CompatInfo.{name} must be an int >= 1, got {value!r}")
-        for name in ("is_mla", "fused_kv"):
+        for name in ("is_mla", "fused_kv", "split_kv"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"CompatInfo.{name} must be a bool, got {value!r}")

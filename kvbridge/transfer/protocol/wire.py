@@ -129,7 +129,8 @@ class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     The server needs it to count the readers it must hear from before it may
     free a request's blocks (``kvbridge.topology.num_expected_readers``).
     Defaults are left out on the wire, so a server of an older protocol reads
-    a non-fused reader's ``Hello`` far enough to reject it for its version.
+    a non-fused, non-split reader's ``Hello`` far enough to reject it for its
+    version.
     """
 
     tp_size: Positive
@@ -140,6 +141,7 @@ class TopologyInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     layout: Annotated[str, msgspec.Meta(max_length=8)]
     num_layers: Positive
     fused_kv: bool = False  # one fused K/V plane per layer (vLLM CPU; EngineTopology)
+    split_kv: bool = False  # one K or V plane per layer entry (SGLang; EngineTopology)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -211,6 +213,9 @@ class AgentMetadata(_Msg, tag="metadata"):
     host: HostInfo | None = None  # None: no same-host copies from this server
     # One fused K/V plane per layer (vLLM CPU): head_dim is its 2 * head_size row.
     fused_kv: bool = False
+    # One plane, K or V alone, per layer entry (SGLang): num_layers and
+    # num_model_layers count planes, layer_block_nbytes is one plane's block.
+    split_kv: bool = False
 
 
 class Reject(_Msg, tag="reject"):

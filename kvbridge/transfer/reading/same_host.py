@@ -373,7 +373,7 @@ def _handshake_go(meta: wire.AgentMetadata, req: wire.ReadRequest) -> wire.CopyG
     info = meta.host
     if info is None or not info.origins or not info.block_stride:
         return None
-    planes = 1 if meta.is_mla or meta.fused_kv else 2
+    planes = 1 if meta.is_mla or meta.fused_kv or meta.split_kv else 2
     if (len(info.origins) != 8 * planes * meta.num_layers
             or not 0 <= req.layer_start < req.layer_end <= meta.num_layers):
         return None

@@ -8,7 +8,7 @@ the secret and lies) must be caught here, with a typed error naming the field,
 not by an allocation of whatever size it claims or a read planned on it.
 
 What must agree is what the compatibility hash already binds (head size,
-element size, MLA, fused K/V, KV heads); what may differ (layout, block size,
+element size, MLA, fused K/V, split K/V, KV heads); what may differ (layout, block size,
 TP/PP) must be self-consistent and within what this reader's cache could ever
 hold: no remote block larger than our whole cache, no block byte count other
 than its shape implies.
@@ -36,6 +36,7 @@ def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
             ("elem_nbytes", meta.elem_nbytes, local.elem_nbytes),
             ("is_mla", meta.is_mla, topo.is_mla),
             ("fused_kv", meta.fused_kv, topo.fused_kv),
+            ("split_kv", meta.split_kv, topo.split_kv),
             ("num_kv_heads", meta.num_kv_heads, topo.num_kv_heads),
         )
         if theirs != ours
@@ -66,7 +67,7 @@ def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
     if meta.block_size > our_tokens:  # could never land here: refuse before sizing on it
         problems.append(f"block_size {meta.block_size} > the {our_tokens} tokens our whole "
                         f"cache holds")
-    num_planes = 1 if meta.is_mla or meta.fused_kv else 2
+    num_planes = 1 if meta.is_mla or meta.fused_kv or meta.split_kv else 2
     block_nbytes = meta.block_size * meta.num_heads * meta.head_dim * meta.elem_nbytes * num_planes
     if len(meta.layer_block_nbytes) != meta.num_layers or any(
             n != block_nbytes for n in meta.layer_block_nbytes):

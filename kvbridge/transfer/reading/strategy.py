@@ -70,7 +70,7 @@ def prepare(
         layout=KVLayout.parse(meta.layout), block_size=meta.block_size,
         num_heads=len(item.remote_heads), head_dim=meta.head_dim,
         elem_nbytes=meta.elem_nbytes, num_layers=len(item.remote_layers), is_mla=meta.is_mla,
-        fused_kv=meta.fused_kv,
+        fused_kv=meta.fused_kv, split_kv=meta.split_kv,
     )
     fused = ctx.local.topology.fused_kv
     if fused and first_token % meta.block_size:
@@ -106,6 +106,7 @@ def _direct_span(
     topo = local.topology
     alike = (
         meta.is_mla == topo.is_mla and meta.fused_kv == topo.fused_kv
+        and meta.split_kv == topo.split_kv
         and KVLayout.parse(meta.layout) is topo.layout
         and meta.block_size == topo.block_size and meta.elem_nbytes == local.elem_nbytes
         and meta.head_dim == local.head_dim and tokens.skip == 0
