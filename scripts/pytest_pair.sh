@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite as two pytest processes side by side (`make pytest`, `make pytest-full`):
-#   - the tests that start vLLM servers: tests/integrations/vllm, then the benchmarks'
-#     vLLM runs (kvbridge bench serve, kvbridge bench vllm); server starts keep both
-#     cores busy,
+#   - the tests that start engine servers: tests/integrations/vllm and .../sglang, then
+#     the benchmarks' vLLM runs (kvbridge bench serve, kvbridge bench vllm); server
+#     starts keep both cores busy,
 #     and, to keep the halves even, the GPU scripts' CPU dry runs (gpu_check, gpu_probe:
 #     ~75 s that made the other half the longer one by 3 min),
 #   - everything else: many of its tests wait on child processes, sockets and deadlines,
@@ -19,7 +19,7 @@
 set -uo pipefail
 PYTHON=$1
 shift
-VLLM_TESTS=(tests/integrations/vllm tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py
+VLLM_TESTS=(tests/integrations/vllm tests/integrations/sglang tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py
             tests/bench/test_serve_netns.py tests/bench/test_gpu_check.py
             tests/bench/test_gpu_probe.py)
 

@@ -30,7 +30,10 @@
 #      agent is wrapped so that "VRAM" becomes "DRAM" in the four calls that take a kind.
 # - A .pth file putting tests/integrations/sglang/stand_ins on sys.path: the sgl_kernel
 #   stand-in (SGLang imports sgl_kernel on its CPU path but never calls it there).
-# - Checks: torch is 2.13.0+cpu; sglang's server, the router, mooncake and nixl import.
+# - kvbridge itself, editable and --no-deps (its dependencies are pinned in the file): SGLang
+#   finds its backend by the entry point in pyproject.toml (sglang.srt.plugins).
+# - Checks: torch is 2.13.0+cpu; sglang's server, the router, mooncake, nixl and kvbridge's
+#   plugin import.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -196,6 +199,16 @@ if MARK not in text:
 PY
 }
 
+install_kvbridge() {
+    local log
+    log=$(mktemp)  # setuptools' editable-install warnings, shown only if it fails
+    "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO" >"$log" 2>&1 || {
+        cat "$log" >&2
+        exit 1
+    }
+    rm -f "$log"
+}
+
 write_pth() {
     local site
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -222,9 +235,16 @@ import sglang.srt.entrypoints.http_server  # noqa: F401  (the server's whole imp
 import sglang_router  # noqa: F401
 from mooncake.engine import TransferEngine  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
+from importlib.metadata import entry_points
+
+import kvbridge.integrations.sglang.plugin  # noqa: F401
+import kvbridge.transfer.agent  # noqa: F401  (ucxx and libucx)
+
+if not [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvbridge"]:
+    sys.exit("setup_sglang: kvbridge's sglang.srt.plugins entry point is not installed")
 
 print(f"setup_sglang: sglang {sglang.__version__} on torch {torch.__version__}: "
-      "server, router, mooncake and nixl import")
+      "server, router, mooncake, nixl and kvbridge's plugin import")
 PY
 }
 
@@ -235,6 +255,7 @@ step "torch $TORCH_VERSION (cpu)" install_torch
 step "pinned requirements" install_requirements
 step "libibverbs1" ensure_libibverbs
 step "patches" apply_patches
+step "kvbridge (editable)" install_kvbridge
 step "sgl_kernel stand-in .pth" write_pth
 step "import check" check
 printf 'setup_sglang: %-28s %6.1f s\n' "total:" "$(echo "$(date +%s.%N) - $total_start" | bc)"
