@@ -9,11 +9,13 @@ nothing of it can touch its pages any more (``manager.py``).
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from aiohttp import web
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
@@ -22,7 +24,8 @@ from sglang.srt.disaggregation.common.conn import (
 )
 
 from kvbridge.integrations.sglang.manager import KVBridgeKVManager
-from kvbridge.integrations.sglang.messages import Abort
+from kvbridge.integrations.sglang.messages import MAC_HEADER, Abort, registration_mac
+from kvbridge.integrations.sglang.settings import SglangSettings
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVReceiver", "KVBridgeKVSender"]
 
@@ -104,4 +107,28 @@ class KVBridgeKVReceiver(CommonKVReceiver):
 
 
 class KVBridgeKVBootstrapServer(CommonKVBootstrapServer):
-    """P's bootstrap registry (SGLang's HTTP ``/route``), as the other backends run it."""
+    """P's bootstrap registry (SGLang's HTTP ``/route``), which accepts a rank's
+    registration only with the MAC P's ranks make under the cluster secret.
+
+    Raises:
+        ConfigError: no usable secret (as the agents: ``settings.py``).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        # Before SGLang's __init__, which starts serving.
+        self._secret = SglangSettings.from_env(host, host).secret
+        super().__init__(host, port)
+
+    async def _handle_route_put(self, request: web.Request) -> web.Response:
+        body = await request.read()  # kept by aiohttp for SGLang's handler
+        mac = request.headers.get(MAC_HEADER, "")
+        if self._secret is not None and not hmac.compare_digest(
+                registration_mac(self._secret, body), mac):
+            logger.warning("kvbridge: refused a bootstrap registration from %s without a "
+                           "valid %s", request.remote, MAC_HEADER)
+            return web.Response(status=403, text="registration not authenticated (kvbridge)")
+        try:
+            response: web.Response = await super()._handle_route_put(request)
+        except (KeyError, TypeError, ValueError) as exc:
+            return web.Response(status=400, text=f"bad registration: {exc!r}"[:300])
+        return response

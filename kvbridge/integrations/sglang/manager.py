@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import requests
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
@@ -43,6 +46,7 @@ from sglang.srt.utils.network import NetworkAddress
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.integrations.sglang.caches import find_tensors, sglang_caches
 from kvbridge.integrations.sglang.messages import (
+    MAC_HEADER,
     Abort,
     Failed,
     Message,
@@ -52,6 +56,7 @@ from kvbridge.integrations.sglang.messages import (
     Registered,
     Wanted,
     page_ids_of,
+    registration_mac,
 )
 from kvbridge.integrations.sglang.settings import SglangSettings
 from kvbridge.transfer.agent import TransferAgent
@@ -172,6 +177,25 @@ class KVBridgeKVManager(CommonKVManager):
                                   f"bytes in rows of {item}: kvbridge moves CPU rows only")
             views.append(tensor.view(torch.uint8).view(-1)[:nbytes].view(nbytes // item, item))
         return views
+
+    def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
+        """SGLang's registration with P's bootstrap server, with kvbridge's MAC."""
+        body = json.dumps(payload).encode()
+        headers = {"content-type": "application/json"}
+        secret = SglangSettings.from_env(self.server_args.host, self.local_ip).secret
+        if secret is not None:
+            headers[MAC_HEADER] = registration_mac(secret, body)
+        for attempt in range(5):
+            try:
+                response = requests.put(url, data=body, headers=headers, timeout=5)
+                if response.status_code == 200:
+                    return
+                logger.warning("kvbridge: bootstrap registration answered %d: %s",
+                               response.status_code, response.text[:200])
+            except requests.RequestException as exc:
+                logger.warning("kvbridge: bootstrap registration failed: %s", exc)
+            time.sleep(min(2.0 ** attempt, 8.0))
+        logger.error("kvbridge: this prefill rank could not register with %s", url)
 
     def _start(self, target: Any, name: str) -> None:
         def guarded() -> None:

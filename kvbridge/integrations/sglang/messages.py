@@ -17,6 +17,11 @@ Conversation for one request (room ``R``; D ranks read, P ranks serve)::
 
 Frame: ``[TAG, body, mac]``; ``mac`` is HMAC-SHA256 over ``CONTEXT + body``
 (empty when the deployment runs without a secret, which is logged at start).
+
+P ranks' registrations with P's bootstrap server (SGLang's HTTP ``PUT /route``,
+which tells every D where P's ranks listen) carry the same kind of MAC in the
+``MAC_HEADER`` header (``registration_mac``): a stranger cannot list a rank of its
+own for D to send requests to.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy.typing as npt
 from kvbridge.errors import KVBridgeError
 
 __all__ = [
+    "MAC_HEADER",
     "TAG",
     "Abort",
     "Failed",
@@ -42,10 +48,13 @@ __all__ = [
     "Registered",
     "Wanted",
     "page_ids_of",
+    "registration_mac",
 ]
 
 TAG = b"KVBRIDGE"
 CONTEXT = b"kvbridge-sglang-v1\0"
+REGISTRATION_CONTEXT = b"kvbridge-sglang-bootstrap-v1\0"
+MAC_HEADER = "X-Kvbridge-Mac"
 #: Pages one request may name: 2**24 pages of 1 token would be 16M tokens.
 MAX_PAGES = 1 << 24
 MAX_AUX_ROWS = 64
@@ -137,6 +146,11 @@ class Abort(_Msg, tag="abort"):
 
 
 Message = Registered | Wanted | Ready | Failed | Abort
+
+
+def registration_mac(secret: bytes, body: bytes) -> str:
+    """Hex HMAC-SHA256 of a bootstrap registration's body (``MAC_HEADER``)."""
+    return hmac.new(secret, REGISTRATION_CONTEXT + body, hashlib.sha256).hexdigest()
 
 
 def page_ids_of(page_ids: bytes) -> npt.NDArray[np.int64]:

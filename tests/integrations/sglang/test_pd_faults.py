@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 from tests.integrations.sglang.servers import PYTHON, PdClient, Server, SglangSet, post_json
@@ -56,6 +57,32 @@ def test_forged_control_messages_are_dropped(sglang_set: SglangSet) -> None:
     assert "MAC does not verify" in log
     assert "not kvbridge's" in log
     assert sglang_set.p1.alive()
+
+
+def test_bootstrap_refuses_strangers(sglang_set: SglangSet) -> None:
+    """SGLang's bootstrap registry tells D where P's ranks listen: a registration
+    without the MAC of P's ranks (a stranger listing a rank of its own) is refused,
+    and the registry keeps answering for the real ranks."""
+    url = f"http://127.0.0.1:{sglang_set.p1.bootstrap_port}/route"
+    before = _rank_address(sglang_set.p1)
+    row = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+           "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+           "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "10.6.6.6",
+           "rank_port": 6666, "page_size": 1, "kv_cache_dtype": "auto"}
+    for body, headers in ((json.dumps(row).encode(), {}),
+                          (json.dumps(row).encode(), {"X-Kvbridge-Mac": "00" * 32}),
+                          (b"{not json", {"X-Kvbridge-Mac": "zz"})):
+        request = urllib.request.Request(url, body, {"content-type": "application/json",
+                                                     **headers}, method="PUT")
+        try:
+            urllib.request.urlopen(request, timeout=10)
+            raise AssertionError("an unauthenticated registration was accepted")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 403, exc.read()
+    assert _rank_address(sglang_set.p1) == before
+    prompt = "after the stranger, " * 3
+    got = _token_ids(*PdClient(sglang_set.p1, sglang_set.d).generate(_generate_body(prompt)))
+    assert got == _reference(sglang_set, prompt)
 
 
 def test_decode_fails_fast_when_prefill_dies(sglang_set: SglangSet) -> None:
