@@ -144,6 +144,9 @@ def sglang_caches(
         raise ConfigError(f"SGLang page of {item_nbytes} bytes != {page_size} tokens x "
                           f"{heads} heads x {head_dim} x {first.element_size()} bytes")
     if is_mla:
+        if heads != 1:
+            raise ConfigError(f"an MLA buffer holds one latent per token, got shape "
+                              f"{tuple(first.shape)} ({heads} heads)")
         planes = [t[:rows].view(num_pages, page_size, head_dim) for t in tensors]
         num_kv_heads, num_layers = 1, len(planes)
     else:

@@ -193,7 +193,9 @@ class MessageCodec:
             MessageError: not three frames, too large, a MAC that does not verify,
                 or a body that is no well-formed message.
         """
-        if len(frames) != 3 or frames[0] != TAG:
+        if not frames or frames[0] != TAG:
+            raise MessageError("not a kvbridge frame (its first part is not the tag)")
+        if len(frames) != 3:
             raise MessageError(f"a kvbridge frame has 3 parts, got {len(frames)}")
         _, body, mac = frames
         if len(body) > MAX_FRAME_NBYTES:
@@ -202,6 +204,6 @@ class MessageCodec:
             raise MessageError("message MAC does not verify (another secret, or forged)")
         try:
             message: Message = self._decoder.decode(body)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: RecursionError
             raise MessageError(f"malformed message: {exc}") from None
         return message

@@ -33,6 +33,15 @@ _FIX = ("set KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) to the same secret on eve
         "server, or KVBRIDGE_INSECURE=1")
 
 
+def _flag(value: str, name: str) -> bool:
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
 @dataclass(frozen=True, slots=True)
 class SglangSettings:
     """One scheduler's kvbridge settings (see the module docstring)."""
@@ -64,8 +73,10 @@ class SglangSettings:
             raise ConfigError(f"KVBRIDGE_AGENT is not JSON: {exc}") from None
         if not isinstance(options, dict):
             raise ConfigError(f"KVBRIDGE_AGENT must be a JSON object, got {raw[:80]!r}")
-        agent = AgentConfig.from_options({**options, "listen_host": host})
-        insecure = env.get("KVBRIDGE_INSECURE", "") not in ("", "0", "false", "no")
+        # The agents listen where they are read from, unless the deployment names
+        # another address to listen on (0.0.0.0 behind a NAT, ...).
+        agent = AgentConfig.from_options({"listen_host": host, **options})
+        insecure = _flag(env.get("KVBRIDGE_INSECURE", ""), "KVBRIDGE_INSECURE")
         secret = cluster_secret(host, secret_file=env.get("KVBRIDGE_SECRET_FILE") or None,
                                 insecure=insecure, environ=env, fix=_FIX)
         return cls(host=host, secret=secret, agent=agent)
