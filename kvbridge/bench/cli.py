@@ -1,4 +1,4 @@
-"""``kvbridge bench {transfer,kernels,paged,e2e,vllm,serve,all}``: run, show, save, plot benchmarks.
+"""``kvbridge bench {transfer,kernels,paged,e2e,vllm,serve,sglang,all}``: run and show benchmarks.
 
 ``kvbridge/cli/bench.py`` hands the arguments after ``bench`` to :func:`main`
 (installed kvbridge and source checkout alike). Each subcommand runs
@@ -137,6 +137,12 @@ def _run(name: str, args: argparse.Namespace, progress: ProgressBar) -> dict[str
                               [c for c in args.connectors.split(",") if c], args.model,
                               args.out, args.kvbridge_extra, args.cores, progress,
                               args.model_kind)
+    if name == "sglang":
+        from kvbridge.bench import sglang_bench
+
+        backends = [b for b in (args.backends or "").split(",") if b] or None
+        return sglang_bench.run(args.quick, args.lengths, args.requests, backends,
+                                args.sglang_python, progress)
     if name == "serve":
         from kvbridge.bench import serve_bench
 
@@ -193,6 +199,8 @@ def run_benchmark(name: str, args: argparse.Namespace) -> int:
             print(f"wrote {out / f'{stem}.png'}")
         except PlotUnavailable as exc:
             print(f"no plot: {exc}")
+        except KeyError:
+            pass  # a benchmark without a plot
     return 0 if bench_tables.passed(name, result) else 1
 
 
@@ -274,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
              "serve": "goodput and latency under load (vllm bench serve): P/D behind "
                       "vllm-router and kvbridge proxy vs colocated, or front ends "
                       "already running (--url)",
-             "all": "every benchmark above but vllm and serve, one after another"}
+             "sglang": "TTFT of SGLang P/D per transfer backend (kvbridge, mooncake over "
+                       "TCP, nixl) beside a single SGLang server (needs .venv-sglang)",
+             "all": "every benchmark above but vllm, serve and sglang, one after another"}
     subs = {name: sub.add_parser(name, parents=[common], help=text)
             for name, text in helps.items()}
     for name in ("transfer", "all"):
@@ -320,6 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="kv_connector_extra_config of kvbridge's P and D, "
                            "e.g. '{\"idle_wait_s\": 0.005}'")
     _add_serve_options(subs["serve"])
+    sglang = subs["sglang"]
+    sglang.add_argument("--lengths", type=_int_list, default=None,
+                        help="prompt lengths in words (default 64,512,1500; --quick 64,512)")
+    sglang.add_argument("--requests", type=int, default=None,
+                        help="timed requests per point (default 10, --quick 3)")
+    sglang.add_argument("--backends", default=None,
+                        help="comma list of kvbridge, mooncake, nixl (default: all three)")
+    sglang.add_argument("--sglang-python", default=None,
+                        help="the SGLang venv's python (default $KVBRIDGE_SGLANG_VENV or "
+                             ".venv-sglang)")
     return parser
 
 

@@ -334,9 +334,15 @@ def serve_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sglang_table(report: dict[str, Any]) -> str:
+    from kvbridge.bench import sglang_bench
+
+    return sglang_bench.table(report)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "transfer": transfer_table, "kernels": kernels_table, "paged": paged_table,
-    "e2e": e2e_table, "vllm": vllm_table, "serve": serve_table,
+    "e2e": e2e_table, "vllm": vllm_table, "serve": serve_table, "sglang": sglang_table,
 }
 
 
@@ -348,6 +354,10 @@ def passed(name: str, report: dict[str, Any]) -> bool:
             for r in rows if r["peer"] in ("nixl", "mooncake"))
     if name == "e2e":
         return bool(report["all_match"])
+    if name == "sglang":
+        from kvbridge.bench import sglang_bench
+
+        return sglang_bench.passed(report)
     if name == "serve":  # kvbridge's configurations (or the deployment's front ends) ran
         # every point, every answer whole
         ours = report["settings"].get("deployment")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SUBCOMMANDS = ("transfer", "kernels", "paged", "e2e", "vllm", "serve", "all")
+SUBCOMMANDS = ("transfer", "kernels", "paged", "e2e", "vllm", "serve", "sglang", "all")
 
 
 def _pip(*args: str, cwd: Path) -> None:
