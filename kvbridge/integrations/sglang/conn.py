@@ -70,7 +70,8 @@ class KVBridgeKVReceiver(CommonKVReceiver):
                       *args: Any, **kwargs: Any) -> None:
         if self.bootstrap_infos:
             self.kv_mgr.expect(self.bootstrap_room, kv_indices, aux_index,
-                               len(self.bootstrap_infos))
+                               [(str(info["rank_ip"]), int(info["rank_port"]))
+                                for info in self.bootstrap_infos])
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
                               *args, **kwargs)
 

@@ -48,6 +48,7 @@ from kvbridge.integrations.sglang.caches import find_tensors, sglang_caches
 from kvbridge.integrations.sglang.messages import (
     MAC_HEADER,
     Abort,
+    Done,
     Failed,
     Message,
     MessageCodec,
@@ -84,6 +85,7 @@ class _Outgoing:
     pages: list[npt.NDArray[np.int64]] = field(default_factory=list)
     num_tokens: int = 0
     granted: bool = False
+    num_done: int = 0  # D ranks that said Done (their reads ended well)
 
 
 @dataclass(slots=True)
@@ -92,7 +94,7 @@ class _Incoming:
 
     page_ids: npt.NDArray[np.int64]
     aux_index: int
-    num_prefill_ranks: int
+    prefill_ranks: list[tuple[str, int]]  # the control endpoints of the P ranks asked
     readies: dict[int, Ready] = field(default_factory=dict)
     reading: bool = False
     ended: bool = False
@@ -263,6 +265,8 @@ class KVBridgeKVManager(CommonKVManager):
                 self._on_wanted(msg)
             case Abort() as msg:
                 self.end_grant(msg.room, "aborted by the decode server")
+            case Done() as msg:
+                self._on_done(msg)
             case Registered() as msg:
                 logger.debug("kvbridge: decode %s rank %d/%d registered", msg.engine_id,
                              msg.tp_rank, msg.tp_size)
@@ -324,6 +328,20 @@ class KVBridgeKVManager(CommonKVManager):
             return []
         return [bytes(view[aux_index].numpy()) for view in self._aux]
 
+    def _on_done(self, msg: Done) -> None:
+        """A D rank holds the KV: once every D rank that asked said so, the grant ends
+        (a P rank no reader chose, e.g. another replica of an MLA latent, frees now
+        rather than at its lease's end)."""
+        targets = self.transfer_infos.get(msg.room) or {}
+        with self._lock:
+            out = self._outgoing.get(msg.room)
+            if out is None or not out.granted:
+                return
+            out.num_done += 1
+            if out.num_done < len(targets):
+                return
+        self.agent.grants.revoke(str(msg.room))  # a grant its readers released: a no-op
+
     def end_grant(self, room: int, reason: str) -> bool:
         """End ``room`` on P for ``reason``: revoke its grant (Failed once released:
         reads in flight finish first) or, with none held, fail it now.
@@ -363,9 +381,11 @@ class KVBridgeKVManager(CommonKVManager):
             self._news.clear()
             for release in self.agent.grants.drain_released():
                 room = int(release.request_id)
+                targets = self.transfer_infos.get(room) or {}
                 with self._lock:
-                    self._outgoing.pop(room, None)
-                if release.reason == "done":
+                    out = self._outgoing.pop(room, None)
+                    all_done = bool(targets) and out is not None and out.num_done >= len(targets)
+                if release.reason == "done" or all_done:
                     self.update_status(room, KVPoll.Success)
                     continue
                 self.fail(room, f"kvbridge grant {release.reason}: the decode server did not "
@@ -410,13 +430,14 @@ class KVBridgeKVManager(CommonKVManager):
             is_dummy=is_dummy))
 
     def expect(self, room: int, page_ids: npt.NDArray[np.int32], aux_index: int | None,
-               num_prefill_ranks: int) -> None:
-        """D: the room's KV lands in ``page_ids`` once every P rank said Ready."""
+               prefill_ranks: list[tuple[str, int]]) -> None:
+        """D: the room's KV lands in ``page_ids`` once every P rank asked (their control
+        endpoints) said Ready."""
         if aux_index is None:
             raise ConfigError(f"request {room}: SGLang gave no metadata slot")
         with self._lock:
             self._incoming[room] = _Incoming(np.asarray(page_ids, dtype=np.int64).copy(),
-                                             int(aux_index), num_prefill_ranks)
+                                             int(aux_index), list(prefill_ranks))
 
     def _serve_decode(self) -> None:
         while not self._closed.is_set():
@@ -437,7 +458,7 @@ class KVBridgeKVManager(CommonKVManager):
             if incoming is None or incoming.reading or incoming.ended:
                 return  # cleared, or a repeat
             incoming.readies[msg.tp_rank] = msg
-            if len(incoming.readies) < incoming.num_prefill_ranks:
+            if len(incoming.readies) < len(incoming.prefill_ranks):
                 return
             incoming.reading = True
         problem = self._ready_problem(incoming)
@@ -534,5 +555,8 @@ class KVBridgeKVManager(CommonKVManager):
                 if request_id in failed:
                     self.fail(room, f"kvbridge read of request {room} failed: "
                                     f"{errors.get(request_id) or 'unknown error'}")
-                else:
-                    self.update_status(room, KVPoll.Success)
+                    continue
+                self.update_status(room, KVPoll.Success)
+                notice = Done(room=room, tp_rank=self.attn_tp_rank)
+                for endpoint, port in incoming.prefill_ranks if incoming is not None else []:
+                    self._send(endpoint, port, notice)

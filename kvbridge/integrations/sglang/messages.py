@@ -13,6 +13,9 @@ Conversation for one request (room ``R``; D ranks read, P ranks serve)::
     P -> D   Ready(R, agent ports, grant, pages, tokens, aux rows)   last chunk
     D        reads the pages with its transfer agent; P's grant ends when done
     P -> D   Failed(R, reason)                      P gave up (abort, lease)
+    D -> P   Done(R)                                D holds the KV: every P rank it
+                                                    asked may free (also those it did
+                                                    not read: MLA's other replicas)
     D -> P   Abort(R, endpoint)                     D gave up: P revokes
 
 Frame: ``[TAG, body, mac]``; ``mac`` is HMAC-SHA256 over ``CONTEXT + body``
@@ -40,6 +43,7 @@ __all__ = [
     "MAC_HEADER",
     "TAG",
     "Abort",
+    "Done",
     "Failed",
     "Message",
     "MessageCodec",
@@ -145,7 +149,14 @@ class Abort(_Msg, tag="abort"):
     port: Port
 
 
-Message = Registered | Wanted | Ready | Failed | Abort
+class Done(_Msg, tag="done"):
+    """D rank holds the room's KV: the P rank may free its pages."""
+
+    room: Room
+    tp_rank: Rank
+
+
+Message = Registered | Wanted | Ready | Failed | Abort | Done
 
 
 def registration_mac(secret: bytes, body: bytes) -> str:

@@ -24,6 +24,7 @@ from kvbridge.integrations.sglang.messages import (
     MAX_PAGES,
     TAG,
     Abort,
+    Done,
     Failed,
     Message,
     MessageCodec,
@@ -48,6 +49,7 @@ EXAMPLES: list[Message] = [
           aux_rows=[b"", b"\x01" * 64]),
     Failed(room=0, tp_rank=0, reason="aborted on the prefill server"),
     Abort(room=123456789, endpoint="::1", port=65535),
+    Done(room=MAX_ROOM, tp_rank=3),
 ]
 
 
