@@ -3,12 +3,12 @@
 #   - the tests that start engine servers: tests/integrations/vllm and .../sglang, then
 #     the benchmarks' vLLM runs (kvbridge bench serve, kvbridge bench vllm); server
 #     starts keep both cores busy,
-#     and, to keep the halves even, the GPU scripts' CPU dry runs (gpu_check, gpu_probe:
-#     ~75 s that made the other half the longer one by 3 min),
+#     and, to keep the halves even, gpu_check's CPU dry run (~35 s; gpu_probe's, ~35 s
+#     too, went back to the other half when the SGLang servers joined this one),
 #   - everything else: many of its tests wait on child processes, sockets and deadlines,
 #     and leave a core idle while they do.
 # Side by side they take far less wall time than one after the other on two cores (the
-# split keeps the two halves about as long: ~21 min each on a 2-core AMD EPYC, AVX2).
+# split keeps the two halves about as long: ~24 min each on a 2-core AMD EPYC, AVX2).
 # Each takes its ports from a span of its own (KVBRIDGE_PORT_SPAN: below the kernel's
 # ephemeral range, halves of what kvbridge.cli.demo.procs.reserve_ports would use), so
 # the two never hand out the same port. Each one's output is printed whole once it ends
@@ -20,8 +20,7 @@ set -uo pipefail
 PYTHON=$1
 shift
 VLLM_TESTS=(tests/integrations/vllm tests/integrations/sglang tests/bench/test_bench_serve.py tests/bench/test_bench_vllm.py
-            tests/bench/test_serve_netns.py tests/bench/test_gpu_check.py
-            tests/bench/test_gpu_probe.py)
+            tests/bench/test_serve_netns.py tests/bench/test_gpu_check.py)
 
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 if [ "$low" -ge 24000 ]; then

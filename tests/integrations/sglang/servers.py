@@ -1,12 +1,13 @@
 """The P/D set the SGLang tests share, started together in the SGLang venv.
 
 Servers, requests and the router's readiness come from ``kvbridge/bench/sglang_servers.py``
-(``kvbridge bench sglang`` starts its servers the same way). The set (~75 s to start on
-two idle cores, ~7 GiB proportional memory):
+(``kvbridge bench sglang`` starts its servers the same way). The set (~90 s to start on
+two idle cores, ~9 GiB proportional memory):
 
     single   the reference: no disaggregation
     p1       prefill, TP 1          p2   prefill, TP 2 (heads split over two ranks)
     d        decode, TP 1 (reads from p1 or p2, per request)
+    d2       decode, TP 2 (each rank reads its head from p1)
     router   sglang-router (Rust) in P/D mode over p1 and d
 
 Requests reach P and D as SGLang's routers send them (``PdClient``).
@@ -53,7 +54,9 @@ class SglangSet:
         self.p2 = server("p2", *prefill, "--tp-size", "2", bootstrap_port=free_port(),
                          env=base_env(SGLANG_CPU_OMP_THREADS_BIND="0|1"))
         self.d = server("d", *decode)
-        self.servers = [self.single, self.p1, self.p2, self.d]
+        self.d2 = server("d2", *decode, "--tp-size", "2",
+                         env=base_env(SGLANG_CPU_OMP_THREADS_BIND="0|1"))
+        self.servers = [self.single, self.p1, self.p2, self.d, self.d2]
         router_port = free_port()
         self.router = Server(
             "router", router_port,

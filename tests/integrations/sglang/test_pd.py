@@ -36,14 +36,16 @@ def _reference(servers: SglangSet, prompt: str) -> list[int]:
     return _token_ids(*post_json(servers.single.url + "/generate", _generate_body(prompt)))
 
 
-@pytest.mark.parametrize("prefill", ["p1", "p2"])
-def test_answers_equal_the_single_server(sglang_set: SglangSet, prefill: str) -> None:
-    """P TP 1 and P TP 2 (each D rank reads heads from two P ranks) into D TP 1."""
-    client = PdClient(getattr(sglang_set, prefill), sglang_set.d)
+@pytest.mark.parametrize(("prefill", "decode"), [("p1", "d"), ("p2", "d"), ("p1", "d2")])
+def test_answers_equal_the_single_server(sglang_set: SglangSet, prefill: str,
+                                         decode: str) -> None:
+    """P TP 1 -> D TP 1; P TP 2 -> D TP 1 (the D rank reads a head from each P rank);
+    P TP 1 -> D TP 2 (each D rank reads its head of the one P rank)."""
+    client = PdClient(getattr(sglang_set, prefill), getattr(sglang_set, decode))
     for prompt in PROMPTS:
         expected = _reference(sglang_set, prompt)
         got = _token_ids(*client.generate(_generate_body(prompt)))
-        assert got == expected, f"{prefill}: prompt {prompt[:30]!r}"
+        assert got == expected, f"{prefill} -> {decode}: prompt {prompt[:30]!r}"
 
 
 def test_through_sglang_router(sglang_set: SglangSet) -> None:
