@@ -302,8 +302,8 @@ class KVBridgeKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Transferring)
         grant = self._grant_of(room)
         try:
+            aux_rows = self._aux_rows(aux_index)  # before the grant: nothing held if it fails
             self.agent.issue_grant(str(room), pages.tolist(), None, grant=grant)
-            aux_rows = self._aux_rows(aux_index)
         except (KVBridgeError, ValueError, IndexError) as exc:
             with self._lock:
                 out.granted = False
