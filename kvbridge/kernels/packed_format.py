@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.kernels.errors import KernelInputError
-from kvbridge.topology import KVLayout
+from kvbridge.topology import KVLayout, planes_per_block
 
 __all__ = ["PackedFormat"]
 
@@ -90,7 +90,7 @@ class PackedFormat:
     @property
     def num_kv(self) -> int:
         """Tensors per layer in the buffer: 2 (K and V), or 1 for MLA, fused and split K/V."""
-        return 1 if self.is_mla or self.fused_kv or self.split_kv else 2
+        return planes_per_block(self.is_mla, self.fused_kv, self.split_kv)
 
     @property
     def payload_numel(self) -> int:

@@ -59,7 +59,7 @@ from kvbridge.topology.groups import (
     load_problem,
     plan_group_read,
 )
-from kvbridge.topology.layout import KVLayout
+from kvbridge.topology.layout import KVLayout, planes_per_block
 from kvbridge.topology.layout_facts import CacheLayoutFacts, describe_cache
 from kvbridge.topology.ratios import (
     BlockSizeRatio,
@@ -95,6 +95,7 @@ __all__ = [
     "layers_for_pp_rank",
     "load_problem",
     "num_expected_readers",
+    "planes_per_block",
     "plan_group_read",
     "signed_ratio",
     "target_remote_ranks",

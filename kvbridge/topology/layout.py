@@ -52,3 +52,9 @@ class KVLayout(StrEnum):
                 f"unknown KV cache layout {value!r}; expected one of "
                 f"{[m.value for m in cls]}"
             ) from None
+
+
+def planes_per_block(is_mla: bool, fused_kv: bool, split_kv: bool) -> int:
+    """Planes one block of one layer entry holds: K and V (2), or one (an MLA latent,
+    a fused K/V plane, a split cache's K or V)."""
+    return 1 if is_mla or fused_kv or split_kv else 2

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
 from kvbridge.topology.engine_topology import EngineTopology
-from kvbridge.topology.layout import KVLayout
+from kvbridge.topology.layout import KVLayout, planes_per_block
 from kvbridge.topology.ratios import (
     BlockSizeRatio,
     block_size_ratio,
@@ -121,7 +121,7 @@ class RemoteRead:
     def num_planes(self) -> int:
         """Per-layer block planes: 2 (K and V), or 1 (MLA latent, fused K/V, or a
         split cache's K or V)."""
-        return 1 if self.is_mla or self.fused_kv or self.split_kv else 2
+        return planes_per_block(self.is_mla, self.fused_kv, self.split_kv)
 
     def block_byte_ranges(self, elem_size: int, head_dim: int) -> list[tuple[int, int]]:
         """Byte ranges to read from one plane (K or V) of one remote block of one layer.

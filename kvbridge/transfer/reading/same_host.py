@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from kvbridge.topology import KVLayout
+from kvbridge.topology import KVLayout, planes_per_block
 from kvbridge.transfer.blocks.ranges import (
     HeadSpan,
     block_offsets,
@@ -373,7 +373,7 @@ def _handshake_go(meta: wire.AgentMetadata, req: wire.ReadRequest) -> wire.CopyG
     info = meta.host
     if info is None or not info.origins or not info.block_stride:
         return None
-    planes = 1 if meta.is_mla or meta.fused_kv or meta.split_kv else 2
+    planes = planes_per_block(meta.is_mla, meta.fused_kv, meta.split_kv)
     if (len(info.origins) != 8 * planes * meta.num_layers
             or not 0 <= req.layer_start < req.layer_end <= meta.num_layers):
         return None

@@ -17,6 +17,7 @@ than its shape implies.
 from __future__ import annotations
 
 from kvbridge.errors import ConfigError
+from kvbridge.topology import planes_per_block
 from kvbridge.transfer.errors import ProtocolError
 from kvbridge.transfer.local_kv import LocalKV, topology_of
 from kvbridge.transfer.protocol import wire
@@ -67,7 +68,7 @@ def _problems(meta: wire.AgentMetadata, local: LocalKV) -> list[str]:
     if meta.block_size > our_tokens:  # could never land here: refuse before sizing on it
         problems.append(f"block_size {meta.block_size} > the {our_tokens} tokens our whole "
                         f"cache holds")
-    num_planes = 1 if meta.is_mla or meta.fused_kv or meta.split_kv else 2
+    num_planes = planes_per_block(meta.is_mla, meta.fused_kv, meta.split_kv)
     block_nbytes = meta.block_size * meta.num_heads * meta.head_dim * meta.elem_nbytes * num_planes
     if len(meta.layer_block_nbytes) != meta.num_layers or any(
             n != block_nbytes for n in meta.layer_block_nbytes):
