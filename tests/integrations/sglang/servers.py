@@ -62,7 +62,10 @@ class SglangSet:
             "router", router_port,
             [str(PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation",
              "--prefill", self.p1.url, str(self.p1.bootstrap_port), "--decode", self.d.url,
-             "--host", "127.0.0.1", "--port", str(router_port)],
+             "--host", "127.0.0.1", "--port", str(router_port),
+             # its metrics listener defaults to a fixed port that vllm-router (in the
+             # tests beside these) may hold: CI failed once on "Address already in use"
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             log_dir / "router.log", base_env())
 
     def start(self) -> None:
